@@ -1,0 +1,51 @@
+"""posttrain.core: the RLHF math as pure tensor functions (imports torch only).
+
+Dimension key, used in every docstring of the repository:
+
+    B  sequences in a batch (B = P * G for grouped sampling)
+    P  prompts
+    G  samples (responses) per prompt
+    T  response tokens (the time axis of RL)
+    V  vocabulary size
+    K  responses in one human ranking
+
+Masks are named for what a 1 means: ``mask[b, t] = 1`` means "token t of row b counts"
+(a response token, not prompt, not padding, not after EOS). Values at positions where the
+mask is 0 may hold anything, NaN and inf included: every function here selects with
+``torch.where`` before it computes, so garbage there changes neither results nor gradients.
+"""
+
+from posttrain.core.advantages import gae, group_advantages, rloo_advantages, shape_rewards
+from posttrain.core.kl import KL_ESTIMATORS, kl_penalty
+from posttrain.core.logprobs import entropy_from_logits, token_logprobs
+from posttrain.core.losses import (
+    AGGREGATION_MODES,
+    DPO_KINDS,
+    aggregate_loss,
+    dpo_loss,
+    ppo_policy_loss,
+    ranking_loss,
+    value_loss,
+)
+from posttrain.core.masks import masked_mean, masked_var, masked_whiten
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "DPO_KINDS",
+    "KL_ESTIMATORS",
+    "aggregate_loss",
+    "dpo_loss",
+    "entropy_from_logits",
+    "gae",
+    "group_advantages",
+    "kl_penalty",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "ranking_loss",
+    "rloo_advantages",
+    "shape_rewards",
+    "token_logprobs",
+    "value_loss",
+]

@@ -1,0 +1,111 @@
+"""Token rewards and advantage estimators: RLHF-PPO reward shaping, GAE, GRPO group advantages, RLOO."""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.core.masks import zero_masked
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last position with mask 1 in each row, −1 for a row with none. mask: [B, T] → [B]."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, -1).max(dim=-1).values
+
+
+def shape_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float | torch.Tensor
+) -> torch.Tensor:
+    """RLHF-PPO token rewards (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2):
+
+        r_t = −kl_coef · kl_t  at every valid token,  plus  score  at the last valid token.
+
+    scores: [B] sequence-level reward (e.g. the reward model's score of prompt+response).
+    kl: [B, T] per-token KL estimate (``kl_penalty``); mask: [B, T], 1 = response token.
+    Returns [B, T], 0 at masked positions; a row without valid tokens gets no score.
+    """
+    mask = mask.bool()
+    rewards = zero_masked(-kl_coef * zero_masked(kl, mask), mask)
+    last = last_valid_index(mask)
+    has_token = last >= 0
+    score_at_end = torch.zeros_like(rewards).scatter(
+        1, last.clamp(min=0).unsqueeze(1), torch.where(has_token, scores.to(rewards.dtype), 0.0).unsqueeze(1)
+    )
+    return rewards + score_at_end
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16):
+
+        δ_t = r_t + γ·V_{t+1} − V_t,      A_t = δ_t + γλ·A_{t+1},      returns_t = A_t + V_t
+
+    with V_{t+1} = 0 and A_{t+1} = 0 after the last valid token: the response ends there, so
+    nothing is bootstrapped from padding (PITFALLS #12).
+
+    rewards, values: [B, T]; mask: [B, T], 1 = response token, each row ones then zeros.
+    Returns (advantages [B, T], returns [B, T]), both 0 at masked positions.
+    """
+    mask = mask.bool()
+    rewards, values = zero_masked(rewards, mask), zero_masked(values, mask)
+    T = rewards.shape[-1]
+    advantages_reversed = []
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(values[:, t])  # 0 past the end
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = torch.where(mask[:, t], delta + gamma * lam * next_advantage, 0.0)
+        advantages_reversed.append(next_advantage)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = zero_masked(advantages + values, mask)
+    return advantages, returns
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """rewards [B] → [P, G], B = P·G consecutive groups; checks the sizes."""
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 to compare responses within a group, got {group_size}")
+    if rewards.dim() != 1 or rewards.shape[0] % group_size != 0:
+        raise ValueError(f"rewards must be [B] with B divisible by group_size={group_size}, got {tuple(rewards.shape)}")
+    return rewards.view(-1, group_size)
+
+
+def _zero_constant_groups(grouped: torch.Tensor, centered: torch.Tensor) -> torch.Tensor:
+    """Exactly 0 for a group whose rewards are all equal: r − mean can leave a float residue that a
+    std-division turns into huge advantages (PITFALLS #9)."""
+    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    return torch.where(constant, 0.0, centered)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+    """GRPO outcome advantages (Shao et al. 2024, DeepSeekMath §4.1.2):
+
+        group:  A_i = (r_i − mean_g) / (std_g + eps)
+        batch:  A_i = (r_i − mean_g) / (std_all + eps)   (std over the whole batch, as in REINFORCE++/TRL)
+        none:   A_i =  r_i − mean_g                       (Dr. GRPO, Liu et al. 2025: no std scaling)
+
+    rewards: [B] in consecutive groups of ``group_size`` responses to one prompt (B = P·G).
+    std uses Bessel's correction. A constant group gives exactly 0. Returns [B].
+    """
+    grouped = _grouped(rewards, group_size)
+    centered = _zero_constant_groups(grouped, grouped - grouped.mean(dim=1, keepdim=True))
+    if scale == "group":
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centered = centered / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"scale must be one of ('group', 'batch', 'none'), got {scale!r}")
+    return centered.reshape(-1)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024):
+
+        A_i = r_i − (Σ_{j≠i} r_j) / (G − 1)
+
+    rewards: [B] in consecutive groups of ``group_size``. A constant group gives exactly 0. Returns [B].
+    """
+    grouped = _grouped(rewards, group_size)
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return _zero_constant_groups(grouped, grouped - others_mean).reshape(-1)

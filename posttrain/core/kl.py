@@ -1,0 +1,34 @@
+"""Per-token KL estimators between the policy π and the reference π_ref on tokens sampled from π.
+
+J. Schulman, "Approximating KL Divergence" (2020), with d = log π(a) − log π_ref(a) and a ~ π:
+
+    k1 = d                     unbiased for KL(π‖π_ref), high variance, can be negative per token
+    k2 = d² / 2                biased, low variance, ≥ 0 (its gradient is that of KL in expectation)
+    k3 = exp(−d) + d − 1       unbiased for KL(π‖π_ref), low variance, ≥ 0 (DeepSeekMath's choice)
+
+The sign convention is fixed here and nowhere else: a policy that moves away from the reference
+makes every estimator's expectation grow, so a positive ``kl_coef`` always pulls it back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(π‖π_ref) (Schulman 2020): k1 = d, k2 = d²/2, k3 = exp(−d) + d − 1.
+
+    logprobs, ref_logprobs: [B, T] log-probabilities of the sampled tokens under π and π_ref.
+    Returns [B, T]. An unknown ``estimator`` raises ``ValueError`` (no silent fall-through).
+    """
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d.square()
+    if estimator == "k3":
+        # expm1 keeps exp(−d) − 1 exact near d = 0, where the policies almost agree
+        return torch.expm1(-d) + d
+    raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")

@@ -1,0 +1,200 @@
+"""Invariants of posttrain.core: garbage at masked positions, gradients, micro-batching, identities."""
+
+import math
+
+import pytest
+import torch
+from helpers import assert_close
+
+from posttrain.core import (
+    AGGREGATION_MODES,
+    DPO_KINDS,
+    KL_ESTIMATORS,
+    aggregate_loss,
+    dpo_loss,
+    gae,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+    ppo_policy_loss,
+    ranking_loss,
+    shape_rewards,
+    value_loss,
+)
+
+B, T = 4, 6
+
+
+def _batch(seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([6, 3, 0, 1])  # a full row, a short one, an empty one, a single token
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    r = lambda: torch.randn(B, T, generator=g, dtype=dtype)  # noqa: E731
+    return mask, r
+
+
+def _poison(x, mask, value):
+    return torch.where(mask.bool(), x, torch.full_like(x, value))
+
+
+# Each case: name -> (function of the per-token inputs, number of per-token inputs)
+def _cases():
+    adv_b = torch.tensor([1.0, -0.5, 2.0, 0.3], dtype=torch.float64)
+    cases = {
+        "masked_mean": (lambda m, x: masked_mean(x, m), 1),
+        "masked_whiten": (lambda m, x: masked_whiten(x, m).sum(), 1),
+        "shape_rewards": (lambda m, kl: shape_rewards(torch.ones(B, dtype=kl.dtype), kl, m, 0.1).sum(), 1),
+        "gae": (lambda m, r, v: sum(t.sum() for t in gae(r, v, m, gamma=0.9, lam=0.8)), 2),
+        "value_loss": (lambda m, v, o, ret: value_loss(v, o, ret, m, clip_range=0.2), 3),
+        "ppo_token_adv": (lambda m, lp, old, a: ppo_policy_loss(lp, old, a, m)[0], 3),
+        "ppo_kl_in_loss": (
+            lambda m, lp, old, ref: ppo_policy_loss(lp, old, adv_b, m, ref_logprobs=ref, kl_coef=0.1)[0],
+            3,
+        ),
+    }
+    for mode in AGGREGATION_MODES:
+        cases[f"aggregate_{mode}"] = (lambda m, x, mode=mode: aggregate_loss(x, m, mode), 1)
+    return cases
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), -float("inf"), 1e30])
+def test_garbage_at_masked_positions_changes_nothing(name, garbage):
+    fn, n_inputs = _cases()[name]
+    mask, rand = _batch()
+    clean = [(0.3 * rand()).requires_grad_() for _ in range(n_inputs)]
+    dirty = [_poison(x.detach(), mask, garbage).requires_grad_() for x in clean]
+    out_clean, out_dirty = fn(mask, *clean), fn(mask, *dirty)
+    assert torch.isfinite(out_dirty).all()
+    assert_close(out_dirty, out_clean)
+    out_clean.backward()
+    out_dirty.backward()
+    for c, d in zip(clean, dirty, strict=True):
+        assert torch.isfinite(d.grad).all(), f"{name}: non-finite gradient with {garbage} at padding"
+        assert_close(d.grad, c.grad)
+        assert (d.grad[mask == 0] == 0).all()
+
+
+def test_reward_to_go_when_gamma_lambda_one_and_values_zero():
+    mask, rand = _batch()
+    rewards = rand()
+    adv, ret = gae(rewards, torch.zeros(B, T, dtype=rewards.dtype), mask, gamma=1.0, lam=1.0)
+    masked = torch.where(mask.bool(), rewards, 0.0)
+    reward_to_go = masked.flip(1).cumsum(1).flip(1)  # Σ_{t' ≥ t} r_t'
+    assert_close(adv, torch.where(mask.bool(), reward_to_go, 0.0))
+    assert_close(ret, adv)
+
+
+def test_kl_estimators_zero_when_policies_match_and_k3_nonnegative():
+    g = torch.Generator().manual_seed(0)
+    lp = -torch.rand(1000, generator=g) * 10
+    for est in KL_ESTIMATORS:
+        assert kl_penalty(lp, lp, est).abs().max().item() == 0.0
+    other = -torch.rand(1000, generator=g) * 10
+    assert (kl_penalty(lp, other, "k3") >= 0).all()
+    assert (kl_penalty(lp, other, "k2") >= 0).all()
+
+
+def test_kl_estimators_are_unbiased_on_samples_from_policy():
+    # π = softmax(a), π_ref = softmax(b) over 5 actions; E_{x~π}[k1] = E[k3] = KL(π‖π_ref) exactly
+    a, b = torch.tensor([0.1, 1.0, -0.3, 2.0, 0.0]), torch.tensor([0.5, 0.2, 0.0, 1.0, -1.0])
+    lp, ref = torch.log_softmax(a.double(), 0), torch.log_softmax(b.double(), 0)
+    p = lp.exp()
+    kl = (p * (lp - ref)).sum()
+    assert_close((p * kl_penalty(lp, ref, "k1")).sum(), kl)
+    assert_close((p * kl_penalty(lp, ref, "k3")).sum(), kl)
+
+
+def test_ppo_ratio_one_and_no_clipping_on_policy():
+    mask, rand = _batch(dtype=torch.float32)
+    lp = rand()
+    loss, stats = ppo_policy_loss(lp, lp.clone(), rand(), mask)
+    assert stats["clipfrac"].item() == 0.0
+    assert stats["ratio_mean"].item() == 1.0
+    assert stats["ratio_max"].item() == 1.0
+    assert stats["approx_kl"].item() == 0.0
+
+
+def test_ppo_empty_mask_is_finite_zero():
+    mask = torch.zeros(2, 3)
+    loss, stats = ppo_policy_loss(torch.full((2, 3), float("nan")), torch.zeros(2, 3), torch.ones(2), mask)
+    assert loss.item() == 0.0
+    assert all(torch.isfinite(v) for v in stats.values())
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_recombined_with_counts_match_full_batch(mode):
+    """Normalising each micro-batch by the global count makes the sum of their losses, and so the
+    accumulated gradient, identical to one full-batch step (PITFALLS #1)."""
+    mask, rand = _batch()
+    lp, old, adv = rand().requires_grad_(), rand(), rand()
+    full, _ = ppo_policy_loss(lp, old, adv, mask, agg=mode)
+    (full_grad,) = torch.autograd.grad(full, lp)
+
+    total_tokens = mask.sum()
+    accumulated = torch.zeros((), dtype=lp.dtype)
+    for rows in ([0], [1, 2], [3]):
+        mb_loss, _ = ppo_policy_loss(lp[rows], old[rows], adv[rows], mask[rows], agg=mode)
+        if mode == "token-mean":
+            weight = mask[rows].sum().item() / total_tokens.item()
+        else:  # Σ x / (B_mb·T) → Σ x / (B·T)
+            weight = len(rows) / B
+        accumulated = accumulated + mb_loss * weight
+    (acc_grad,) = torch.autograd.grad(accumulated, lp)
+    assert_close(accumulated, full)
+    assert_close(acc_grad, full_grad)
+
+
+def test_mean_of_micro_batch_means_differs_from_token_mean():
+    """The bug PITFALLS #1 describes really does change the number: the test above is not vacuous."""
+    mask, rand = _batch()
+    x = rand()
+    full = aggregate_loss(x, mask, "token-mean")
+    naive = sum(aggregate_loss(x[r], mask[r], "token-mean") for r in ([0], [1, 2], [3])) / 3
+    assert not torch.allclose(full, naive)
+
+
+def _gradcheck_inputs(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_gradcheck_aggregate_and_value_loss(mode):
+    mask, _ = _batch()
+    x = _gradcheck_inputs((B, T), 0)
+    assert torch.autograd.gradcheck(lambda x: aggregate_loss(x, mask, mode), (x,))
+    v, old, ret = (_gradcheck_inputs((B, T), s) for s in (1, 2, 3))
+    assert torch.autograd.gradcheck(lambda v: value_loss(v, old.detach(), ret.detach(), mask, 0.2, mode), (v,))
+
+
+@pytest.mark.parametrize("kl_estimator", KL_ESTIMATORS)
+def test_gradcheck_ppo_policy_loss(kl_estimator):
+    mask, _ = _batch()
+    lp = _gradcheck_inputs((B, T), 0)
+    # old log-probs away from the clip edges, so the loss is differentiable where it is checked
+    old = (lp + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(9), dtype=torch.float64)).detach()
+    ref, adv = _gradcheck_inputs((B, T), 2).detach(), _gradcheck_inputs((B,), 3).detach()
+
+    def f(lp):
+        return ppo_policy_loss(lp, old, adv, mask, ref_logprobs=ref, kl_coef=0.3, kl_estimator=kl_estimator)[0]
+
+    assert torch.autograd.gradcheck(f, (lp,))
+
+
+@pytest.mark.parametrize("kind", DPO_KINDS)
+def test_gradcheck_dpo_loss(kind):
+    inputs = [_gradcheck_inputs((5,), s) for s in range(4)]
+    assert torch.autograd.gradcheck(lambda *x: dpo_loss(*x, beta=0.2, kind=kind, label_smoothing=0.1)[0].sum(), inputs)
+
+
+def test_gradcheck_ranking_loss_and_whiten():
+    assert torch.autograd.gradcheck(ranking_loss, (_gradcheck_inputs((3, 4), 0),))
+    mask, _ = _batch()
+    assert torch.autograd.gradcheck(lambda x: masked_whiten(x, mask), (_gradcheck_inputs((B, T), 1),))
+
+
+def test_ranking_loss_sign_prefers_correct_order():
+    right = ranking_loss(torch.tensor([[2.0, 1.0, 0.0]]))
+    wrong = ranking_loss(torch.tensor([[0.0, 1.0, 2.0]]))
+    assert right < math.log(2) < wrong
