@@ -27,7 +27,15 @@ from posttrain.core.losses import (
     ranking_loss,
     value_loss,
 )
-from posttrain.core.masks import masked_mean, masked_var, masked_whiten
+from posttrain.core.masks import (
+    last_valid_index,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    position_ids_from_mask,
+    zero_masked,
+)
 
 __all__ = [
     "AGGREGATION_MODES",
@@ -39,13 +47,17 @@ __all__ = [
     "gae",
     "group_advantages",
     "kl_penalty",
+    "last_valid_index",
     "masked_mean",
+    "masked_sum",
     "masked_var",
     "masked_whiten",
+    "position_ids_from_mask",
     "ppo_policy_loss",
     "ranking_loss",
     "rloo_advantages",
     "shape_rewards",
     "token_logprobs",
     "value_loss",
+    "zero_masked",
 ]

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.core.masks import zero_masked
-
-
-def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last position with mask 1 in each row, −1 for a row with none. mask: [B, T] → [B]."""
-    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    return torch.where(mask.bool(), positions, -1).max(dim=-1).values
+from posttrain.core.masks import last_valid_index, zero_masked
 
 
 def shape_rewards(

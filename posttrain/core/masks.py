@@ -63,3 +63,20 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     if not shift_mean:
         whitened = whitened + mean
     return zero_masked(whitened, mask)
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last position with mask 1 in each row, −1 for a row with none. mask: [B, T] → [B].
+
+    Works for any padding side: it looks at the mask, never at token ids (so pad == eos is safe).
+    """
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, -1).max(dim=-1).values
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count only attended tokens: [B, L] → [B, L], 0 at and before the first token.
+
+    Left-padded rows then see the same positions as unpadded ones (PITFALLS #6).
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

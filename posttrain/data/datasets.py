@@ -1,0 +1,246 @@
+"""Datasets for each trainer: rows checked, rendered, tokenized and counted; batches collated.
+
+examples, report = load_sft(DataConfig(path="data.jsonl", max_length=512), tokenizer)
+print(report.summary())   # rows read, kept, truncated, dropped and skipped, by reason
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.data.encode import CHAT_TEMPLATE_MODES, OVERLONG_POLICIES, Encoder
+from posttrain.data.rows import DataError, check_preference, check_prompt, check_ranking, check_sft, read_rows
+
+MALFORMED_POLICIES = ("error", "skip")
+
+
+@dataclass
+class DataConfig:
+    """Where a dataset comes from and how its rows become tokens."""
+
+    path: str = ""
+    """A .jsonl, .jsonl.gz, .json or .parquet file (see posttrain.data.rows for the schemas)."""
+    max_length: int | None = 1024
+    """Most tokens of prompt + completion; None = no limit."""
+    max_prompt_length: int | None = None
+    """Most prompt tokens; None = only max_length limits it."""
+    overlong: str = "truncate"
+    """Rows over the limits: truncate (keeping the template), drop, or error."""
+    on_malformed: str = "error"
+    """Rows that break the schema: error (stop, naming file, line and field) or skip (count them)."""
+    chat_template: str = "auto"
+    """auto: use the tokenizer's chat template when it has one; always; never (plain concatenation)."""
+    limit: int | None = None
+    """Read at most this many rows (None = all)."""
+    eval_fraction: float = 0.0
+    """Share of the examples held out for evaluation (the last ones, after a seeded shuffle)."""
+
+    def validate(self, name: str = "data") -> None:
+        if not self.path:
+            raise ValueError(f"{name}.path is required")
+        if self.overlong not in OVERLONG_POLICIES:
+            raise ValueError(f"{name}.overlong must be one of {OVERLONG_POLICIES}, got {self.overlong!r}")
+        if self.on_malformed not in MALFORMED_POLICIES:
+            raise ValueError(f"{name}.on_malformed must be one of {MALFORMED_POLICIES}, got {self.on_malformed!r}")
+        if self.chat_template not in CHAT_TEMPLATE_MODES:
+            raise ValueError(f"{name}.chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}")
+        for key in ("max_length", "max_prompt_length", "limit"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}.{key} must be >= 1 or null, got {value}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError(f"{name}.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+
+    def encoder(self, tokenizer) -> Encoder:
+        return Encoder(tokenizer, self.chat_template, self.max_length, self.max_prompt_length, self.overlong)
+
+
+@dataclass
+class DataReport:
+    """What happened to the rows of one dataset."""
+
+    rows: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped: Counter = field(default_factory=Counter)  # reason -> count
+    skipped: list[str] = field(default_factory=list)  # "file:line: field 'x': why" of skipped malformed rows
+
+    def summary(self) -> str:
+        parts = [f"{self.rows} rows read", f"{self.kept} kept", f"{self.truncated} truncated"]
+        parts += [f"{n} dropped ({why})" for why, n in sorted(self.dropped.items())]
+        if self.skipped:
+            parts.append(f"{len(self.skipped)} malformed skipped (first: {self.skipped[0]})")
+        return ", ".join(parts)
+
+
+@dataclass
+class SFTExample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
+@dataclass
+class PreferenceExample:
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+
+
+@dataclass
+class RankingExample:
+    prompt_ids: list[int]
+    response_ids: list[list[int]]  # best first
+
+
+@dataclass
+class PromptExample:
+    prompt_ids: list[int]
+    prompt: str | list[dict]
+    columns: dict[str, Any]  # passed to reward functions (e.g. "answer")
+
+
+def _build(config: DataConfig, tokenizer, source, make) -> tuple[list, DataReport]:
+    """Apply ``make(row, encoder) -> (example | None, truncated)`` to every row, counting what happens."""
+    config.validate()
+    encoder = config.encoder(tokenizer)
+    report, examples = DataReport(), []
+    for row in read_rows(config.path if source is None else source):
+        if config.limit is not None and report.rows >= config.limit:
+            break
+        report.rows += 1
+        try:
+            example, truncated, reason = make(row, encoder)
+        except DataError as err:
+            if config.on_malformed == "error":
+                raise
+            report.skipped.append(str(err))
+            continue
+        if example is None:
+            report.dropped[reason] += 1
+            continue
+        report.kept += 1
+        report.truncated += int(truncated)
+        examples.append(example)
+    return examples, report
+
+
+def _dropped_reason(encoder: Encoder) -> str:
+    return "over-long" if encoder.overlong == "drop" else "no completion tokens left after truncation"
+
+
+def load_sft(config: DataConfig, tokenizer, source=None) -> tuple[list[SFTExample], DataReport]:
+    """SFT examples; ``source`` (a list of dicts or a datasets.Dataset) replaces ``config.path``."""
+
+    def make(row, encoder):
+        prompt, completion = check_sft(row)
+        encoded = encoder.pair(prompt, completion, row.where)
+        if encoded is None:
+            return None, False, _dropped_reason(encoder)
+        return SFTExample(encoded.prompt_ids, encoded.completion_ids), encoded.truncated, ""
+
+    return _build(config, tokenizer, source, make)
+
+
+def load_preferences(config: DataConfig, tokenizer, source=None) -> tuple[list[PreferenceExample], DataReport]:
+    """Preference pairs; both responses share the (possibly shortened) prompt."""
+
+    def make(row, encoder):
+        prompt, chosen, rejected = check_preference(row)
+        c = encoder.pair(prompt, chosen, row.where, "chosen")
+        r = encoder.pair(prompt, rejected, row.where, "rejected")
+        if c is None or r is None:
+            return None, False, _dropped_reason(encoder)
+        if c.completion_ids == r.completion_ids:
+            return None, False, "chosen and rejected identical after truncation"
+        return PreferenceExample(c.prompt_ids, c.completion_ids, r.completion_ids), c.truncated or r.truncated, ""
+
+    return _build(config, tokenizer, source, make)
+
+
+def load_rankings(config: DataConfig, tokenizer, source=None) -> tuple[list[RankingExample], DataReport]:
+    """K-way rankings, responses best first."""
+
+    def make(row, encoder):
+        prompt, responses = check_ranking(row)
+        encoded = [encoder.pair(prompt, r, row.where, f"responses[{j}]") for j, r in enumerate(responses)]
+        if any(e is None for e in encoded):
+            return None, False, _dropped_reason(encoder)
+        ids = [e.completion_ids for e in encoded]
+        if len({tuple(i) for i in ids}) < len(ids):
+            return None, False, "responses identical after truncation"
+        return RankingExample(encoded[0].prompt_ids, ids), any(e.truncated for e in encoded), ""
+
+    return _build(config, tokenizer, source, make)
+
+
+def load_prompts(config: DataConfig, tokenizer, source=None) -> tuple[list[PromptExample], DataReport]:
+    """RL prompts with their other columns."""
+
+    def make(row, encoder):
+        prompt, columns = check_prompt(row)
+        encoded = encoder.prompt(prompt, row.where)
+        if encoded is None:
+            return None, False, "over-long prompt"
+        return PromptExample(encoded.prompt_ids, prompt, columns), encoded.truncated, ""
+
+    return _build(config, tokenizer, source, make)
+
+
+# --------------------------------------------------------------------------------------------------
+# Collation
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SequenceBatch:
+    """Prompt + completion sequences, right-padded.
+
+    input_ids [N, L]; attention_mask [N, L] 1 on real tokens; completion_mask [N, L] 1 on completion
+    tokens, the only ones that get a loss (the token at position i is predicted by logits at i − 1).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+
+    def to(self, device) -> SequenceBatch:
+        return SequenceBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.completion_mask)))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> SequenceBatch:
+    """(prompt_ids, completion_ids) pairs → one right-padded ``SequenceBatch``."""
+    length = max(len(p) + len(c) for p, c in pairs)
+    input_ids = torch.full((len(pairs), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(pairs), length), dtype=torch.long)
+    completion_mask = torch.zeros((len(pairs), length), dtype=torch.long)
+    for i, (p, c) in enumerate(pairs):
+        input_ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        attention_mask[i, : len(p) + len(c)] = 1
+        completion_mask[i, len(p) : len(p) + len(c)] = 1
+    return SequenceBatch(input_ids, attention_mask, completion_mask)
+
+
+def collate_sft(examples: list[SFTExample], pad_id: int) -> SequenceBatch:
+    return collate([(e.prompt_ids, e.completion_ids) for e in examples], pad_id)
+
+
+def collate_preferences(examples: list[PreferenceExample], pad_id: int) -> SequenceBatch:
+    """2B rows: the B chosen sequences, then the B rejected ones (one forward pass for both)."""
+    pairs = [(e.prompt_ids, e.chosen_ids) for e in examples] + [(e.prompt_ids, e.rejected_ids) for e in examples]
+    return collate(pairs, pad_id)
+
+
+def collate_rankings(examples: list[RankingExample], pad_id: int) -> SequenceBatch:
+    """B·K rows, row b·K + k is response k (best first) of ranking b; all rankings must have the same K."""
+    ks = {len(e.response_ids) for e in examples}
+    if len(ks) != 1:
+        raise ValueError(f"rankings in one batch must have the same K, got {sorted(ks)}")
+    return collate([(e.prompt_ids, r) for e in examples for r in e.response_ids], pad_id)

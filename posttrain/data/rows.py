@@ -1,0 +1,150 @@
+"""Reading rows from files and checking them against the four dataset schemas.
+
+Schemas (one JSON object per row):
+
+    sft          {"prompt": str | messages, "completion": str | messages}   or   {"messages": [...]}
+    preference   {"prompt": str | messages, "chosen": str | messages, "rejected": str | messages}
+    ranking      {"prompt": str | messages, "responses": [best, ..., worst]}   (K ≥ 2, all different)
+    prompt (RL)  {"prompt": str | messages, ...}   every other column is passed to reward functions
+
+``messages`` is a list of ``{"role": str, "content": str}``. In ``{"messages": [...]}`` rows the last
+message is the assistant's completion and the ones before it are the prompt.
+
+A malformed row raises ``DataError`` naming the file, the line and the field (PITFALLS #16); with
+``on_malformed="skip"`` it is skipped and counted instead. Nothing malformed reaches a loss.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("sft", "preference", "ranking", "prompt")
+
+
+class DataError(ValueError):
+    """A row that does not fit its schema: ``where`` is "file:line", ``field`` the offending column."""
+
+    def __init__(self, where: str, field: str, message: str):
+        self.where, self.field = where, field
+        super().__init__(f"{where}: field {field!r}: {message}")
+
+
+@dataclass
+class Row:
+    where: str  # "path:line" (1-based line of a JSONL file, or row number of a JSON/Parquet table)
+    data: dict[str, Any]
+
+
+def read_rows(source) -> Iterator[Row]:
+    """Rows of a .jsonl / .jsonl.gz / .json / .parquet file, a ``datasets.Dataset``, or a list of dicts."""
+    if isinstance(source, list | tuple):
+        for i, data in enumerate(source, start=1):
+            yield Row(f"<list>:{i}", data)
+        return
+    if not isinstance(source, str | Path):  # a datasets.Dataset (or any iterable of dicts)
+        name = getattr(source, "info", None) and source.info.dataset_name or type(source).__name__
+        for i, data in enumerate(source, start=1):
+            yield Row(f"<{name}>:{i}", dict(data))
+        return
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path}")
+    suffixes = "".join(path.suffixes[-2:])
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, data in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield Row(f"{path}:{i}", data)
+    elif path.suffix == ".jsonl" or suffixes == ".jsonl.gz":
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            for i, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    data = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{i}", "<line>", f"not valid JSON ({err.msg})") from err
+                if not isinstance(data, dict):
+                    raise DataError(f"{path}:{i}", "<line>", f"expected a JSON object, got {type(data).__name__}")
+                yield Row(f"{path}:{i}", data)
+    elif path.suffix == ".json":
+        table = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(table, list):
+            raise DataError(str(path), "<file>", "a .json data file must hold a list of objects")
+        for i, data in enumerate(table, start=1):
+            yield Row(f"{path}:{i}", data)
+    else:
+        raise ValueError(f"unknown data file type {path.name!r}: use .jsonl, .jsonl.gz, .json or .parquet")
+
+
+# --------------------------------------------------------------------------------------------------
+# Schemas
+# --------------------------------------------------------------------------------------------------
+
+
+def _text_or_messages(row: Row, field: str, *, assistant_last: bool = False) -> str | list[dict]:
+    if field not in row.data:
+        raise DataError(row.where, field, "missing")
+    value = row.data[field]
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(row.where, field, "empty text")
+        return value
+    if isinstance(value, list) and value:
+        for j, message in enumerate(value):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise DataError(row.where, f"{field}[{j}]", "a message must be an object with a string 'role'")
+            if not isinstance(message.get("content"), str):
+                raise DataError(row.where, f"{field}[{j}].content", "missing or not a string")
+        if assistant_last and value[-1]["role"] != "assistant":
+            raise DataError(row.where, f"{field}[-1].role", "the last message must be the assistant's")
+        if not value[-1]["content"].strip():
+            raise DataError(row.where, f"{field}[-1].content", "empty text")
+        return value
+    raise DataError(row.where, field, f"expected a non-empty string or list of messages, got {type(value).__name__}")
+
+
+def check_sft(row: Row) -> tuple[str | list[dict], str | list[dict]]:
+    """(prompt, completion) of an SFT row."""
+    if "messages" in row.data:
+        messages = _text_or_messages(row, "messages", assistant_last=True)
+        if isinstance(messages, str) or len(messages) < 2:
+            raise DataError(row.where, "messages", "needs at least one prompt message and the assistant's reply")
+        return messages[:-1], messages[-1:]
+    return _text_or_messages(row, "prompt"), _text_or_messages(row, "completion")
+
+
+def check_preference(row: Row) -> tuple[str | list[dict], str | list[dict], str | list[dict]]:
+    """(prompt, chosen, rejected) of a preference row; chosen == rejected is an error."""
+    prompt = _text_or_messages(row, "prompt")
+    chosen, rejected = _text_or_messages(row, "chosen"), _text_or_messages(row, "rejected")
+    if chosen == rejected:
+        raise DataError(row.where, "rejected", "identical to 'chosen': the pair carries no preference")
+    return prompt, chosen, rejected
+
+
+def check_ranking(row: Row) -> tuple[str | list[dict], list[str | list[dict]]]:
+    """(prompt, responses best first) of a ranking row."""
+    prompt = _text_or_messages(row, "prompt")
+    responses = row.data.get("responses")
+    if not isinstance(responses, list) or len(responses) < 2:
+        raise DataError(row.where, "responses", "needs a list of at least 2 responses, best first")
+    checked = [
+        _text_or_messages(Row(row.where, {f"responses[{j}]": r}), f"responses[{j}]") for j, r in enumerate(responses)
+    ]
+    for j, response in enumerate(checked):
+        if response in checked[:j]:
+            raise DataError(row.where, f"responses[{j}]", "repeats an earlier response: a ranking needs distinct ones")
+    return prompt, checked
+
+
+def check_prompt(row: Row) -> tuple[str | list[dict], dict[str, Any]]:
+    """(prompt, other columns) of an RL prompt row."""
+    prompt = _text_or_messages(row, "prompt")
+    return prompt, {k: v for k, v in row.data.items() if k != "prompt"}

@@ -1,0 +1,141 @@
+"""Loading Hugging Face models and tokenizers for the four RLHF roles, with dropout off.
+
+Every role used for RL (policy, reference, reward, value) runs without dropout: two forward passes
+on the same input must be bit-identical, or the PPO ratio is not 1 at the first minibatch
+(PITFALLS #5). ``disable_dropout`` zeroes every ``nn.Dropout`` and every ``*dropout*`` float in the
+config, so the model stays deterministic in ``train()`` mode too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+@dataclass
+class ModelConfig:
+    """Where a model comes from and how it is loaded."""
+
+    path: str = ""
+    """Local folder or Hugging Face hub id of the checkpoint."""
+    dtype: str = "float32"
+    """Weights dtype: float32, bfloat16, float16 or auto (as saved)."""
+    device: str = "auto"
+    """Device for the weights: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
+    attn_implementation: str | None = None
+    """Attention kernel (eager, sdpa, flash_attention_2, ...); None lets transformers choose."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory (trained roles only)."""
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint's repository."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when ``path`` is a hub id."""
+    tokenizer_path: str | None = None
+    """Tokenizer location when it differs from ``path``."""
+    lora: dict | None = field(default=None)
+    """peft LoraConfig fields (r, lora_alpha, target_modules, ...) to train a new LoRA adapter; None = full."""
+
+    def validate(self, name: str = "model") -> None:
+        if not self.path:
+            raise ValueError(f"{name}.path is required: a local checkpoint folder or a hub id")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"{name}.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"{name}.attn_implementation must be one of {ATTN_IMPLEMENTATIONS} or null, "
+                f"got {self.attn_implementation!r}"
+            )
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability in ``model`` (modules and config) to 0. Returns the model."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    if config is not None:
+        for key, value in config.to_dict().items():
+            if "dropout" in key and isinstance(value, float):
+                setattr(config, key, 0.0)
+    return model
+
+
+def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bool = False):
+    """AutoTokenizer with a pad token: when the checkpoint has none, the EOS token doubles as pad.
+
+    That is safe in posttrain because every mask comes from lengths and attention masks, never from
+    comparing ids with ``pad_token_id`` (PITFALLS #7, #8).
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _from_pretrained(auto_class, config: ModelConfig, **extra):
+    kwargs = dict(
+        dtype=DTYPES[config.dtype],
+        revision=config.revision,
+        trust_remote_code=config.trust_remote_code,
+        **extra,
+    )
+    if config.attn_implementation is not None:
+        kwargs["attn_implementation"] = config.attn_implementation
+    model = auto_class.from_pretrained(config.path, **kwargs)
+    disable_dropout(model)
+    model.to(config.resolved_device())
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def load_causal_lm(config: ModelConfig) -> nn.Module:
+    """A causal LM (AutoModelForCausalLM) for the policy or the reference, dropout off.
+
+    When ``config.lora`` is set, a new trainable LoRA adapter is added (peft); when ``config.path``
+    holds a peft adapter, see ``load_policy``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config.validate()
+    return _from_pretrained(AutoModelForCausalLM, config)
+
+
+def load_scalar_model(config: ModelConfig, kind: str) -> nn.Module:
+    """A backbone with a one-output linear head ``score``, dropout off.
+
+    kind="reward": AutoModelForSequenceClassification(num_labels=1), one score per sequence.
+    kind="value": AutoModelForTokenClassification(num_labels=1), one value per token (the critic).
+    Either loads from a reward-model checkpoint or from a causal LM (the head is then new: normal
+    init with the model's ``initializer_range``, zero bias). Both are ordinary transformers classes,
+    so their checkpoints load without posttrain.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    config.validate()
+    if kind not in ("reward", "value"):
+        raise ValueError(f"kind must be 'reward' or 'value', got {kind!r}")
+    auto_class = AutoModelForSequenceClassification if kind == "reward" else AutoModelForTokenClassification
+    model = _from_pretrained(auto_class, config, num_labels=1)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def is_peft_adapter(path: str) -> bool:
+    """Whether ``path`` is a local folder holding a peft adapter (adapter_config.json)."""
+    return (Path(path) / "adapter_config.json").is_file()

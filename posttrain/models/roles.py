@@ -1,0 +1,258 @@
+"""The four RLHF roles on Hugging Face models: policy, reference, reward model and value model (critic).
+
+Forward passes take one layout everywhere: ``input_ids`` [B, L] = prompt (left-padded, length P)
+followed by the response (right-padded, length T), with an ``attention_mask`` that is 1 on real
+tokens. Position ids always come from the attention mask (``position_ids_from_mask``), so a sequence
+gets the same numbers alone, left-padded or right-padded (PITFALLS #6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from posttrain.core import entropy_from_logits, last_valid_index, position_ids_from_mask, token_logprobs
+from posttrain.models.loading import ModelConfig, disable_dropout, is_peft_adapter, load_causal_lm, load_scalar_model
+
+REFERENCE_ADAPTER = "reference"
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward passes
+# --------------------------------------------------------------------------------------------------
+
+
+def _logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> torch.Tensor:
+    """Logits of the last ``keep`` positions, [B, keep, V] (transformers' ``logits_to_keep`` skips the rest)."""
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=keep,
+    ).logits
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(y_t | x, y_<t) of the last ``response_length`` tokens of each row, with logits / τ.
+
+    input_ids, attention_mask: [B, L] (prompt then response); returns (logprobs [B, T], entropy [B, T]
+    or None), T = response_length. Only the logits of the response positions are computed; the token
+    at position P + t is scored by the logits at position P + t − 1.
+    """
+    logits = _logits(model, input_ids, attention_mask, response_length + 1)[:, :-1]  # [B, T, V]
+    logprobs = token_logprobs(logits, input_ids[:, -response_length:], temperature=temperature)
+    entropy = entropy_from_logits(logits, temperature=temperature) if with_entropy else None
+    return logprobs, entropy
+
+
+def sequence_logprobs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log π(token_i | tokens_<i) at every position i ≥ 1 of each row, any padding side.
+
+    input_ids, attention_mask: [B, L]. Returns [B, L] with 0 at position 0 (nothing predicts it);
+    select with a completion mask (SFT, DPO) to sum or average.
+    """
+    logits = _logits(model, input_ids, attention_mask, 0)[:, :-1]  # keep=0: every position
+    logprobs = token_logprobs(logits, input_ids[:, 1:], temperature=temperature)
+    return torch.cat([torch.zeros_like(logprobs[:, :1]), logprobs], dim=1)
+
+
+def _score_head(model: nn.Module) -> nn.Module:
+    head = getattr(model, "score", None)
+    if not isinstance(head, nn.Module):
+        raise TypeError(
+            f"{type(model).__name__} has no `score` head: reward and value models must be transformers "
+            "*ForSequenceClassification / *ForTokenClassification models with num_labels=1"
+        )
+    return head
+
+
+def _hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    backbone = model.base_model  # the transformer without its task head (LlamaModel, Qwen2Model, ...)
+    out = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.last_hidden_state  # [B, L, H]
+
+
+def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reward-model score of each sequence, read at its last attended token.
+
+    input_ids, attention_mask: [B, L], any padding side. Returns [B]. The index comes from the
+    attention mask, never from ``pad_token_id``, so it is right when pad == eos, when the response
+    has no EOS, and when EOS appears inside the prompt (PITFALLS #8).
+    """
+    hidden = _hidden_states(model, input_ids, attention_mask)
+    last = last_valid_index(attention_mask).clamp(min=0)
+    last_hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
+    return _score_head(model)(last_hidden).squeeze(-1).float()
+
+
+def token_values(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
+) -> torch.Tensor:
+    """Critic values V(x, y_<t) for each response token t: the head read at the position just before it.
+
+    The value of the state in which token t is chosen is computed from the hidden state that also
+    predicts token t (position P + t − 1), aligned with ``response_logprobs``.
+    input_ids, attention_mask: [B, L]; returns [B, T] in float32.
+    """
+    hidden = _hidden_states(model, input_ids, attention_mask)[:, -response_length - 1 : -1]  # [B, T, H]
+    return _score_head(model)(hidden).squeeze(-1).float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Policy and reference
+# --------------------------------------------------------------------------------------------------
+
+
+def load_policy(config: ModelConfig) -> nn.Module:
+    """The trained policy: a causal LM, a new LoRA adapter on one (``config.lora``), or an adapter
+    trained before (``config.path`` holds adapter_config.json).
+
+    A policy that starts from a trained adapter also loads that adapter a second time, frozen, as
+    ``"reference"``: the reference is the adapter's starting state, not the bare base model, so KL
+    is 0 at step 0 (PITFALLS #11).
+    """
+    config.validate("policy")
+    if is_peft_adapter(config.path):
+        from peft import PeftModel
+
+        adapter_config = json.loads((Path(config.path) / "adapter_config.json").read_text())
+        base_config = copy.copy(config)
+        base_config.path = adapter_config["base_model_name_or_path"]
+        base = load_causal_lm(base_config)
+        model = PeftModel.from_pretrained(base, config.path, is_trainable=True)
+        model.load_adapter(config.path, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        model.set_adapter("default")
+        return disable_dropout(model)
+    model = load_causal_lm(config)
+    if config.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = {"task_type": "CAUSAL_LM", **config.lora}
+        model = disable_dropout(get_peft_model(model, LoraConfig(**lora)))
+    return model
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is a dependency, but core users may not have it
+        return False
+    return isinstance(model, PeftModel)
+
+
+class Reference:
+    """The frozen reference policy π_ref.
+
+    Either a separate frozen model (``Reference(model=...)``) or the policy itself with its adapter
+    switched (``Reference.from_policy``): LoRA without a second copy of the weights, the adapter off
+    for a new adapter, the frozen ``"reference"`` adapter for a policy that started from one.
+    Use ``with reference.model_for_forward() as m:`` to run it; gradients are off inside.
+    """
+
+    def __init__(self, model: nn.Module | None = None, policy: nn.Module | None = None):
+        if (model is None) == (policy is None):
+            raise ValueError("Reference needs exactly one of model= (a frozen copy) or policy= (shared weights)")
+        self.model = model
+        self.policy = policy
+        if model is not None:
+            disable_dropout(model)
+            model.eval()
+            model.requires_grad_(False)
+
+    @classmethod
+    def from_policy(cls, policy: nn.Module, share: str = "auto") -> Reference:
+        """share="auto": the adapter-off (or reference-adapter) policy when it is a peft model, else a
+        frozen deep copy; "copy" forces the copy; "adapter" requires a peft policy."""
+        if share not in ("auto", "copy", "adapter"):
+            raise ValueError(f"reference share must be 'auto', 'copy' or 'adapter', got {share!r}")
+        peft = is_peft_model(policy)
+        if share == "adapter" and not peft:
+            raise ValueError("reference share='adapter' needs a LoRA (peft) policy")
+        if peft and share != "copy":
+            return cls(policy=policy)
+        return cls(model=copy.deepcopy(policy))
+
+    @property
+    def shares_policy_weights(self) -> bool:
+        return self.policy is not None
+
+    @contextlib.contextmanager
+    def model_for_forward(self) -> Iterator[nn.Module]:
+        with torch.no_grad():
+            if self.model is not None:
+                yield self.model
+            elif REFERENCE_ADAPTER in self.policy.peft_config:
+                active = self.policy.active_adapter
+                self.policy.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+                try:
+                    yield self.policy
+                finally:
+                    self.policy.set_adapter(active)
+            else:
+                with self.policy.disable_adapter():
+                    yield self.policy
+
+    def logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """log π_ref of the response tokens, [B, T] (see ``response_logprobs``)."""
+        with self.model_for_forward() as model:
+            device = next(model.parameters()).device
+            logprobs, _ = response_logprobs(
+                model, input_ids.to(device), attention_mask.to(device), response_length, temperature
+            )
+        return logprobs.to(input_ids.device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reward model and critic
+# --------------------------------------------------------------------------------------------------
+
+CRITIC_INITS = ("reward", "policy")
+
+
+def load_reward_model(config: ModelConfig) -> nn.Module:
+    """Frozen reward model (sequence classifier, num_labels=1, dropout off); score with ``sequence_scores``."""
+    model = load_scalar_model(config, "reward")
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_critic(init_from: str, policy: ModelConfig, reward: ModelConfig | None = None) -> nn.Module:
+    """The value model: a token classifier (num_labels=1) whose backbone starts from the reward model
+    (default in RLHF-PPO: it already reads the reward's features; Huang et al. 2022, detail "critic
+    initialised from the reward model") or from the policy. From a reward checkpoint the head keeps
+    the reward's ``score`` weights (bias 0); from a policy the head is newly initialised (normal,
+    std = initializer_range; bias 0). It saves with ``save_pretrained`` and reloads with
+    ``load_scalar_model(ModelConfig(path=...), "value")``.
+    """
+    if init_from not in CRITIC_INITS:
+        raise ValueError(f"critic init_from must be one of {CRITIC_INITS}, got {init_from!r}")
+    if init_from == "reward" and reward is None:
+        raise ValueError("critic init_from='reward' needs a reward model config")
+    source = reward if init_from == "reward" else policy
+    config = copy.copy(source)
+    config.lora = None
+    return load_scalar_model(config, "value")

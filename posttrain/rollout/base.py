@@ -1,0 +1,125 @@
+"""What every rollout engine takes (``SamplingParams``) and returns (``Rollout``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How responses are sampled."""
+
+    max_new_tokens: int = 64
+    """Most tokens generated per response; a response that reaches it without EOS is truncated."""
+    min_new_tokens: int = 0
+    """EOS is forbidden before this many tokens (the sampler's choice only: log-probs stay those of
+    the full distribution, as the training forward computes them)."""
+    temperature: float = 1.0
+    """Softmax temperature τ; 0 means greedy. Training log-probs are computed with the same τ."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 = off."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 = off."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Strings that end a response (the response keeps them)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response, besides every EOS id of the tokenizer and generation config."""
+
+    def validate(self, name: str = "sampling") -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"{name}.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"{name}.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"{name}.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{name}.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"{name}.top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """τ to divide logits by when computing log-probs: the sampling τ, or 1 for greedy decoding."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class Rollout:
+    """Sampled responses, B = P·G rows (the G samples of one prompt are consecutive rows).
+
+    Layout of one row: ``prompt_ids`` left-padded to P_len, then ``response_ids`` right-padded to T.
+    """
+
+    prompt_ids: torch.Tensor  # [B, P_len] long, left-padded
+    prompt_mask: torch.Tensor  # [B, P_len] long, 1 = prompt token
+    response_ids: torch.Tensor  # [B, T] long, right-padded
+    response_mask: torch.Tensor  # [B, T] long, 1 up to and including the first EOS / stop, 0 after
+    logprobs: torch.Tensor | None  # [B, T] float32 sampling log-probs log_softmax(logits/τ); None = recompute
+    truncated: torch.Tensor  # [B] bool, True = stopped by max_new_tokens without EOS or stop string
+    prompt_index: torch.Tensor  # [B] long, which prompt of the batch each row answers
+    prompts: list[str]  # [B] decoded prompt texts
+    responses: list[str]  # [B] decoded response texts (special tokens removed)
+    group_size: int = 1  # G
+    temperature: float = 1.0  # τ the log-probs were taken at
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """[B, P_len + T] prompt then response."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """[B, P_len + T] 1 on prompt tokens and on response tokens up to the end of the response."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def response_length(self) -> int:
+        return self.response_ids.shape[1]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """[B] number of valid response tokens."""
+        return self.response_mask.sum(dim=1)
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+
+class RolloutEngine(Protocol):
+    """Samples ``n`` responses to each prompt. Prompts are token-id lists (already templated)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Rollout: ...
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists → (ids [B, L] left-padded with ``pad_id``, mask [B, L] 1 on real tokens)."""
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if s:
+            ids[i, length - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, length - len(s) :] = 1
+    return ids, mask
+
+
+def response_mask_from_ends(
+    response_ids: torch.Tensor, stop_ids: list[int], stop_positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask up to and including the first stop token (any of ``stop_ids``) or stop-string end.
+
+    response_ids: [B, T]; stop_positions: [B] index of the token that completed a stop string, −1 for
+    none. Returns (response_mask [B, T] long, truncated [B] bool): truncated rows have neither.
+    """
+    B, T = response_ids.shape
+    positions = torch.arange(T, device=response_ids.device).expand(B, T)
+    is_stop = torch.isin(response_ids, torch.tensor(stop_ids, device=response_ids.device))
+    first_stop = torch.where(is_stop, positions, T).min(dim=1).values  # T = no stop token
+    if stop_positions is not None:
+        first_stop = torch.minimum(first_stop, torch.where(stop_positions >= 0, stop_positions, T))
+    truncated = first_stop >= T
+    end = torch.where(truncated, T - 1, first_stop)
+    return (positions <= end.unsqueeze(1)).long(), truncated

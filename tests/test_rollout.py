@@ -1,0 +1,166 @@
+"""Rollout with Hugging Face generate on a tiny model: masks, EOS, stop strings and log-probs."""
+
+import pytest
+import torch
+from helpers import assert_close
+
+from posttrain.models import ModelConfig, load_causal_lm, load_policy, response_logprobs
+from posttrain.rollout import HFEngine, SamplingParams, eos_token_ids, response_mask_from_ends
+
+
+@pytest.fixture
+def policy(policy_config):
+    return load_causal_lm(policy_config)
+
+
+def _prompts(tokenizer):
+    return [tokenizer("12+34=").input_ids, tokenizer("hello there, how are").input_ids]
+
+
+def _boost(model, token_id, rows=None, amount=60.0):
+    """Make ``token_id`` (almost) certain at every step for ``rows`` (all when None), via a logits hook."""
+
+    def hook(module, inputs, logits):
+        bias = torch.zeros_like(logits)
+        if rows is None:
+            bias[..., token_id] = amount
+        else:
+            bias[rows, ..., token_id] = amount
+        return logits + bias
+
+    return model.lm_head.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_logprobs_match_training_forward(policy, tokenizer, temperature):
+    torch.manual_seed(0)
+    rollout = HFEngine(policy, tokenizer).generate(
+        _prompts(tokenizer), SamplingParams(max_new_tokens=24, temperature=temperature), n=3
+    )
+    mask = rollout.response_mask.bool()
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(
+            policy, rollout.input_ids, rollout.attention_mask, rollout.response_length, temperature=temperature
+        )
+    assert (recomputed - rollout.logprobs)[mask].abs().max() < 1e-4  # PPO ratio is 1 at the first minibatch
+    if temperature != 1.0:
+        with torch.no_grad():
+            forgot_tau, _ = response_logprobs(
+                policy, rollout.input_ids, rollout.attention_mask, rollout.response_length
+            )
+        assert (forgot_tau - rollout.logprobs)[mask].abs().max() > 1e-2  # forgetting τ would fail the check above
+
+
+def test_top_k_top_p_and_min_tokens_do_not_change_logprobs(policy, tokenizer):
+    torch.manual_seed(1)
+    params = SamplingParams(max_new_tokens=16, temperature=0.9, top_k=5, top_p=0.8, min_new_tokens=4)
+    rollout = HFEngine(policy, tokenizer).generate(_prompts(tokenizer), params, n=2)
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(
+            policy, rollout.input_ids, rollout.attention_mask, rollout.response_length, 0.9
+        )
+    mask = rollout.response_mask.bool()
+    assert (recomputed - rollout.logprobs)[mask].abs().max() < 1e-4
+    assert (rollout.logprobs[~mask] == 0).all()
+
+
+def test_groups_are_consecutive_rows(policy, tokenizer):
+    torch.manual_seed(0)
+    prompts = _prompts(tokenizer)
+    rollout = HFEngine(policy, tokenizer).generate(prompts, SamplingParams(max_new_tokens=8), n=3)
+    assert len(rollout) == 6 and rollout.group_size == 3
+    assert rollout.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert rollout.prompts[:3] == ["12+34="] * 3 and rollout.prompts[3] == "hello there, how are"
+    # prompts are left-padded: the last prompt column is always a real token
+    assert (rollout.prompt_mask[:, -1] == 1).all() and rollout.prompt_mask[0, 0] == 0
+
+
+@pytest.mark.parametrize("which", ["tokenizer_eos", "config_eos", "extra_stop_id"])
+def test_every_eos_id_stops_and_tokens_after_it_are_masked(policy, tokenizer, which):
+    eos = tokenizer.eos_token_id
+    config_extra, stop_id = 50, 51
+    policy.generation_config.eos_token_id = [eos, config_extra]  # a checkpoint with two EOS ids
+    token = {"tokenizer_eos": eos, "config_eos": config_extra, "extra_stop_id": stop_id}[which]
+    handle = _boost(policy, token, rows=[0])  # only row 0 wants to stop
+    try:
+        torch.manual_seed(0)
+        params = SamplingParams(max_new_tokens=12, min_new_tokens=3, stop_token_ids=[stop_id])
+        rollout = HFEngine(policy, tokenizer).generate(_prompts(tokenizer)[:1] * 2, params)
+    finally:
+        handle.remove()
+    assert eos_token_ids(tokenizer, policy, [stop_id]) == sorted({eos, config_extra, stop_id})
+    # row 0 stops at the first allowed step (index 3) on the boosted id; the id itself is kept
+    assert rollout.response_ids[0, 3] == token
+    assert rollout.response_mask[0].tolist() == [1, 1, 1, 1] + [0] * (rollout.response_length - 4)
+    assert not rollout.truncated[0]
+    assert rollout.response_length == 12 and rollout.truncated[1] == (rollout.response_mask[1].sum() == 12)
+
+
+def test_response_without_eos_is_truncated(policy, tokenizer):
+    handle = _boost(policy, tokenizer.convert_tokens_to_ids("x"))
+    try:
+        rollout = HFEngine(policy, tokenizer).generate(_prompts(tokenizer), SamplingParams(max_new_tokens=6))
+    finally:
+        handle.remove()
+    assert rollout.truncated.all()
+    assert rollout.response_mask.sum(1).tolist() == [6, 6]
+    assert rollout.responses == ["xxxxxx", "xxxxxx"]
+
+
+def test_stop_string_ends_response_and_keeps_it(policy, tokenizer):
+    handle = _boost(policy, tokenizer.convert_tokens_to_ids("!"), rows=[0])
+    try:
+        torch.manual_seed(0)
+        params = SamplingParams(max_new_tokens=10, min_new_tokens=0, stop_strings=["!"])
+        rollout = HFEngine(policy, tokenizer).generate(_prompts(tokenizer), params)
+    finally:
+        handle.remove()
+    assert rollout.responses[0] == "!"
+    assert rollout.response_mask[0, 0] == 1 and rollout.response_mask[0, 1:].sum() == 0
+    assert not rollout.truncated[0]
+
+
+def test_response_mask_from_ends_by_hand():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0], [5, 6, 9, 9]])
+    stop_positions = torch.tensor([-1, -1, -1, 1])  # row 3: a stop string completed at index 1
+    mask, truncated = response_mask_from_ends(ids, [2], stop_positions)
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
+    assert truncated.tolist() == [False, True, False, False]
+
+
+def test_lora_policy_generates(policy_config, tokenizer):
+    config = ModelConfig(path=policy_config.path, lora={"r": 2, "target_modules": ["q_proj"], "lora_dropout": 0.0})
+    policy = load_policy(config)
+    torch.manual_seed(0)
+    rollout = HFEngine(policy, tokenizer).generate(_prompts(tokenizer), SamplingParams(max_new_tokens=5))
+    with torch.no_grad():
+        lp, _ = response_logprobs(policy, rollout.input_ids, rollout.attention_mask, rollout.response_length)
+    assert_close(lp[rollout.response_mask.bool()], rollout.logprobs[rollout.response_mask.bool()], atol=1e-4, rtol=0)
+    assert policy.training  # generation restores the mode it found
+
+
+def test_sampling_params_validation_names_the_field():
+    for bad, field in (
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(min_new_tokens=99), "min_new_tokens"),
+    ):
+        with pytest.raises(ValueError, match=f"sampling.{field}"):
+            SamplingParams(**bad).validate()
+
+
+def test_vllm_engine_needs_vllm_and_a_gpu(tiny_dir, tokenizer):
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a GPU")
+    from posttrain.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(str(tiny_dir / "policy"), tokenizer, dtype="float32")
+    policy = load_causal_lm(ModelConfig(path=str(tiny_dir / "policy"), device="cuda"))
+    engine.load_weights(policy)
+    rollout = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=8, temperature=0.7), n=2)
+    assert len(rollout) == 4 and rollout.logprobs is None
+    with torch.no_grad():
+        lp, _ = response_logprobs(policy, rollout.input_ids.cuda(), rollout.attention_mask.cuda(), 8, 0.7)
+    assert torch.isfinite(lp).all()
