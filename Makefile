@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) bench/token_logprobs_memory.py --repeats 1
+	$(VENV)/bin/posttrain demo --out runs/demo
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

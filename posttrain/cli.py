@@ -1,28 +1,115 @@
-"""The ``posttrain`` command line."""
+"""The ``posttrain`` command line.
+
+posttrain sft --config examples/sft_tiny.yaml run.max_steps=50 optim.lr=1e-4
+posttrain rm  --config examples/rm_tiny.yaml
+posttrain dpo --help          # every option, its default and its doc
+posttrain tiny --out runs/tiny   # build the tiny offline models the examples use
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import os
+import sys
+import textwrap
 
 from posttrain import __version__
 
+# command -> (module, config class, one-line description)
+TRAINERS = {
+    "sft": ("posttrain.trainers.sft", "SFTConfig", "supervised fine-tuning on completion tokens"),
+    "rm": ("posttrain.trainers.rm", "RMConfig", "reward model from preference pairs or K-way rankings"),
+    "dpo": ("posttrain.trainers.dpo", "DPOConfig", "direct preference optimization"),
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def _options_help(config_class) -> str:
+    from posttrain.trainers.config import describe
+
+    lines = ["options (set in the YAML file or as key=value):"]
+    for key, default, doc in describe(config_class):
+        lines.append(f"  {key} = {default}")
+        if doc:
+            lines += textwrap.wrap(doc, width=96, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="posttrain",
         description="Post-training for language models: SFT, reward models, DPO, RLHF-PPO and GRPO.",
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, class_name, description) in TRAINERS.items():
+        epilog = None
+        if with_options:
+            epilog = _options_help(getattr(importlib.import_module(module), class_name))
+        p = sub.add_parser(
+            name,
+            help=description,
+            description=description,
+            epilog=epilog,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument("--config", help="YAML file with the options below")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="override an option, e.g. optim.lr=1e-5")
+    demo = sub.add_parser("demo", help="SFT, a reward model and DPO on a tiny model, end to end on CPU")
+    demo.add_argument("--out", default="runs/demo", help="folder for the runs (default: runs/demo)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--quick", action="store_true", help="a fifth of the steps (a smoke run)")
+    tiny = sub.add_parser("tiny", help="build tiny offline models (policy, reward) and a char tokenizer")
+    tiny.add_argument("--out", required=True, help="folder to write policy/ and reward/ into")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # option lists import the trainers: build them only when a trainer's --help is asked for
+    wants_help = any(a in ("-h", "--help") for a in argv) and bool(argv) and argv[0] in TRAINERS
+    parser = build_parser(with_options=wants_help)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
+        return 0
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    _quiet_transformers()
+    if args.command == "demo":
+        from posttrain.demo import run_demo
+
+        run_demo(args.out, seed=args.seed, quick=args.quick)
+        return 0
+    if args.command == "tiny":
+        from posttrain.models.tiny import build_tiny
+
+        for kind, folder in (("causal", "policy"), ("reward", "reward")):
+            path = build_tiny(os.path.join(args.out, folder), kind=kind, arch=args.arch, seed=args.seed)
+            print(f"wrote {path}")
+        return 0
+    module_name, class_name, _ = TRAINERS[args.command]
+    module = importlib.import_module(module_name)
+    from posttrain.trainers.config import load_config
+
+    try:
+        config = load_config(getattr(module, class_name), args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as err:
+        parser.exit(2, f"posttrain {args.command}: error: {err}\n")
+    result = module.train(config)
+    summary = {k: v for k, v in result.items() if k in ("final_metrics", "eval_metrics", "steps", "output_dir")}
+    print(json.dumps(summary, indent=2, default=float))
     return 0
+
+
+def _quiet_transformers() -> None:
+    """Weight-loading bars and load reports hide the run's own output; errors still show."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
 
 
 if __name__ == "__main__":

@@ -243,5 +243,7 @@ def test_ranking_loss_by_hand():
     assert_close(ranking_loss(scores), (sp(1) + sp(3) + sp(2)) / 3)
     # K = 2 is Bradley–Terry
     assert_close(ranking_loss(torch.tensor([[1.0, 0.0], [0.0, 1.0]])), (sp(1) + sp(-1)) / 2)
+    # margin 1: the pair must win by 1, so s_i − s_j − 1 enters the sigmoid
+    assert_close(ranking_loss(torch.tensor([[3.0, 2.0]]), margin=1.0), sp(0.0))
     with pytest.raises(ValueError, match="K >= 2"):
         ranking_loss(torch.tensor([[1.0]]))

@@ -25,6 +25,7 @@ from posttrain.core.losses import (
     dpo_loss,
     ppo_policy_loss,
     ranking_loss,
+    ranking_pairs,
     value_loss,
 )
 from posttrain.core.masks import (
@@ -55,6 +56,7 @@ __all__ = [
     "position_ids_from_mask",
     "ppo_policy_loss",
     "ranking_loss",
+    "ranking_pairs",
     "rloo_advantages",
     "shape_rewards",
     "token_logprobs",

@@ -163,15 +163,22 @@ def dpo_loss(
     return losses, chosen_rewards, rejected_rewards
 
 
-def ranking_loss(scores: torch.Tensor) -> torch.Tensor:
+def ranking_loss(scores: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
     """K-way ranking loss of a reward model (Ouyang et al. 2022, InstructGPT eq. 1):
 
-        loss = mean_b  mean_{i<j}  −log σ(s_i − s_j)
+        loss = mean_b  mean_{i<j}  −log σ(s_i − s_j − margin)
 
     scores: [B, K], each row's responses ordered best first. K = 2 is the pairwise Bradley–Terry
     loss. Every one of the C(K, 2) pairs of a ranking enters once, so one ranking is one example.
+    ``margin`` (Llama 2, Touvron et al. 2023, eq. 2) asks the better response to win by that much.
     """
     if scores.dim() != 2 or scores.shape[1] < 2:
         raise ValueError(f"scores must be [B, K] with K >= 2, got {tuple(scores.shape)}")
-    better, worse = torch.triu_indices(scores.shape[1], scores.shape[1], offset=1, device=scores.device)
-    return -F.logsigmoid(scores[:, better] - scores[:, worse]).mean()
+    better, worse = ranking_pairs(scores.shape[1], scores.device)
+    return -F.logsigmoid(scores[:, better] - scores[:, worse] - margin).mean()
+
+
+def ranking_pairs(k: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(better, worse) indices of the C(K, 2) ordered pairs i < j of a best-first ranking of K."""
+    better, worse = torch.triu_indices(k, k, offset=1, device=device)
+    return better, worse

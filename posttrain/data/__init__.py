@@ -3,12 +3,14 @@
 from posttrain.data.datasets import (
     DataConfig,
     DataReport,
+    PackedExample,
     PreferenceExample,
     PromptExample,
     RankingExample,
     SequenceBatch,
     SFTExample,
     collate,
+    collate_packed,
     collate_preferences,
     collate_rankings,
     collate_sft,
@@ -16,6 +18,7 @@ from posttrain.data.datasets import (
     load_prompts,
     load_rankings,
     load_sft,
+    pack_sft,
 )
 from posttrain.data.encode import Encoder
 from posttrain.data.real import gsm8k_final_answer, load_gsm8k, load_hh_rlhf, shared_data_dir
@@ -25,6 +28,7 @@ __all__ = [
     "DataConfig",
     "DataError",
     "DataReport",
+    "PackedExample",
     "Encoder",
     "PreferenceExample",
     "PromptExample",
@@ -32,6 +36,7 @@ __all__ = [
     "SFTExample",
     "SequenceBatch",
     "collate",
+    "collate_packed",
     "collate_preferences",
     "collate_rankings",
     "collate_sft",
@@ -42,6 +47,7 @@ __all__ = [
     "load_prompts",
     "load_rankings",
     "load_sft",
+    "pack_sft",
     "read_rows",
     "shared_data_dir",
 ]

@@ -206,9 +206,11 @@ class SequenceBatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     completion_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None  # [N, L] set for packed rows: restarts at 0 for each example
 
     def to(self, device) -> SequenceBatch:
-        return SequenceBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.completion_mask)))
+        moved = (t.to(device) for t in (self.input_ids, self.attention_mask, self.completion_mask))
+        return SequenceBatch(*moved, None if self.position_ids is None else self.position_ids.to(device))
 
     @property
     def num_tokens(self) -> int:
@@ -244,3 +246,49 @@ def collate_rankings(examples: list[RankingExample], pad_id: int) -> SequenceBat
     if len(ks) != 1:
         raise ValueError(f"rankings in one batch must have the same K, got {sorted(ks)}")
     return collate([(e.prompt_ids, r) for e in examples for r in e.response_ids], pad_id)
+
+
+@dataclass
+class PackedExample:
+    """Several SFT examples in one row; ``position_ids`` restart at 0 for each of them."""
+
+    input_ids: list[int]
+    completion_mask: list[int]
+    position_ids: list[int]
+
+
+def pack_sft(examples: list[SFTExample], max_length: int) -> list[PackedExample]:
+    """Greedy packing in order: examples are appended to the current row while they fit in ``max_length``.
+
+    Attention must not cross examples: the model is run with these position ids and no 2-D attention
+    mask, from which transformers builds a block-diagonal causal mask (``find_packed_sequence_indices``).
+    """
+    packs: list[PackedExample] = []
+    current = PackedExample([], [], [])
+    for e in examples:
+        ids = e.prompt_ids + e.completion_ids
+        if len(ids) > max_length:
+            raise ValueError(f"an example of {len(ids)} tokens does not fit in a pack of {max_length}")
+        if len(current.input_ids) + len(ids) > max_length:
+            packs.append(current)
+            current = PackedExample([], [], [])
+        current.input_ids += ids
+        current.completion_mask += [0] * len(e.prompt_ids) + [1] * len(e.completion_ids)
+        current.position_ids += list(range(len(ids)))
+    if current.input_ids:
+        packs.append(current)
+    return packs
+
+
+def collate_packed(packs: list[PackedExample], pad_id: int) -> SequenceBatch:
+    """Right-padded packed rows; padding continues the position count so it forms no example of its own."""
+    length = max(len(p.input_ids) for p in packs)
+    batch = collate([([], p.input_ids) for p in packs], pad_id)
+    completion_mask = torch.zeros_like(batch.input_ids)
+    position_ids = torch.zeros_like(batch.input_ids)
+    for i, p in enumerate(packs):
+        n = len(p.input_ids)
+        completion_mask[i, :n] = torch.tensor(p.completion_mask)
+        last = p.position_ids[-1]
+        position_ids[i] = torch.tensor(p.position_ids + list(range(last + 1, last + 1 + length - n)))
+    return SequenceBatch(batch.input_ids, batch.attention_mask, completion_mask, position_ids)

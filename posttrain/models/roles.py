@@ -28,8 +28,20 @@ REFERENCE_ADAPTER = "reference"
 # --------------------------------------------------------------------------------------------------
 
 
-def _logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> torch.Tensor:
-    """Logits of the last ``keep`` positions, [B, keep, V] (transformers' ``logits_to_keep`` skips the rest)."""
+def _logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    keep: int,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits of the last ``keep`` positions (0 = all), [B, keep, V].
+
+    Packed rows pass their own ``position_ids`` and no attention mask: transformers then builds a
+    block-diagonal causal mask from the restarts of the position ids.
+    """
+    if position_ids is not None:
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep).logits
     return model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -60,14 +72,20 @@ def response_logprobs(
 
 
 def sequence_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """log π(token_i | tokens_<i) at every position i ≥ 1 of each row, any padding side.
 
-    input_ids, attention_mask: [B, L]. Returns [B, L] with 0 at position 0 (nothing predicts it);
-    select with a completion mask (SFT, DPO) to sum or average.
+    input_ids, attention_mask: [B, L]; position_ids: [B, L] for packed rows (see ``_logits``).
+    Returns [B, L] with 0 at position 0 (nothing predicts it); select with a completion mask (SFT,
+    DPO) to sum or average. In a packed row the first token of each example is scored from the end
+    of the one before: completion masks never cover it.
     """
-    logits = _logits(model, input_ids, attention_mask, 0)[:, :-1]  # keep=0: every position
+    logits = _logits(model, input_ids, attention_mask, 0, position_ids)[:, :-1]  # keep=0: every position
     logprobs = token_logprobs(logits, input_ids[:, 1:], temperature=temperature)
     return torch.cat([torch.zeros_like(logprobs[:, :1]), logprobs], dim=1)
 
@@ -98,12 +116,18 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
 
     input_ids, attention_mask: [B, L], any padding side. Returns [B]. The index comes from the
     attention mask, never from ``pad_token_id``, so it is right when pad == eos, when the response
-    has no EOS, and when EOS appears inside the prompt (PITFALLS #8).
+    has no EOS, and when EOS appears inside the prompt (PITFALLS #8). A checkpoint whose config holds
+    ``reward_normalization = {"mean": m, "std": s}`` (``posttrain rm`` with ``normalize_policy``)
+    returns (score − m) / s.
     """
     hidden = _hidden_states(model, input_ids, attention_mask)
     last = last_valid_index(attention_mask).clamp(min=0)
     last_hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
-    return _score_head(model)(last_hidden).squeeze(-1).float()
+    scores = _score_head(model)(last_hidden).squeeze(-1).float()
+    normalization = getattr(model.config, "reward_normalization", None)
+    if normalization:
+        scores = (scores - normalization["mean"]) / normalization["std"]
+    return scores
 
 
 def token_values(

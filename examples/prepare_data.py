@@ -1,0 +1,39 @@
+"""Build what the example configs read: tiny models and data files under runs/ (run from the repo root).
+
+    .venv/bin/python examples/prepare_data.py
+
+writes runs/tiny/{policy,reward} (offline, from seed 0), runs/data/arith_sft.jsonl, vowel_pairs.jsonl,
+vowel_rankings.jsonl, arith_prompts.jsonl, and runs/data/hh_rlhf.jsonl (the HH-RLHF harmless-base pairs
+from ../shared/data, split into prompt / chosen / rejected).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from posttrain.data import load_gsm8k, load_hh_rlhf
+from posttrain.data.synthetic import arithmetic_sft, vowel_pairs, vowel_rankings
+from posttrain.models.tiny import build_tiny
+
+
+def write(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {path} ({len(rows)} rows)")
+
+
+def main(root: str = "runs") -> None:
+    root = Path(root)
+    for kind, name in (("causal", "policy"), ("reward", "reward")):
+        print(f"wrote {build_tiny(root / 'tiny' / name, kind=kind, seed=0)}")
+    write(root / "data" / "arith_sft.jsonl", arithmetic_sft(2000, seed=0))
+    write(root / "data" / "arith_prompts.jsonl", [{"prompt": r["prompt"], "answer": r["answer"]}
+                                                   for r in arithmetic_sft(500, seed=1)])
+    write(root / "data" / "vowel_pairs.jsonl", vowel_pairs(2000, seed=0))
+    write(root / "data" / "vowel_rankings.jsonl", vowel_rankings(1000, k=4, seed=0))
+    write(root / "data" / "hh_rlhf.jsonl", load_hh_rlhf())
+    write(root / "data" / "gsm8k_test_prompts.jsonl", load_gsm8k("test"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,51 @@
+"""Small synthetic tasks, deterministic from a seed, for tests, the demo and the examples.
+
+- ``arithmetic_sft``: ``{"prompt": "12+34=", "completion": "46"}`` with a verifiable ``answer`` column.
+- ``vowel_rankings``: K random letter strings ranked by how many vowels they hold (more is better): a
+  preference a tiny reward model can learn, with a true score to check it against.
+- ``vowel_pairs``: the same as preference pairs (the best and the worst of each ranking).
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+VOWELS = set("aeiou")
+
+
+def arithmetic_sft(n: int, seed: int = 0, low: int = 10, high: int = 49) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        rows.append({"prompt": f"{a}+{b}=", "completion": str(a + b), "answer": str(a + b)})
+    return rows
+
+
+def vowel_count(text: str) -> int:
+    return sum(c in VOWELS for c in text)
+
+
+def vowel_rankings(n: int, k: int = 4, length: int = 8, seed: int = 0) -> list[dict]:
+    """Rankings of ``k`` strings with distinct vowel counts, best (most vowels) first."""
+    rng = random.Random(seed)
+    letters = string.ascii_lowercase
+    rows = []
+    while len(rows) < n:
+        counts = rng.sample(range(length + 1), k)
+        responses = []
+        for c in sorted(counts, reverse=True):
+            chars = [rng.choice("aeiou") for _ in range(c)]
+            chars += [rng.choice([x for x in letters if x not in VOWELS]) for _ in range(length - c)]
+            rng.shuffle(chars)
+            responses.append("".join(chars))
+        rows.append({"prompt": "rank:", "responses": responses})
+    return rows
+
+
+def vowel_pairs(n: int, length: int = 8, seed: int = 0) -> list[dict]:
+    return [
+        {"prompt": r["prompt"], "chosen": r["responses"][0], "rejected": r["responses"][-1]}
+        for r in vowel_rankings(n, k=2, length=length, seed=seed)
+    ]

@@ -1,0 +1,269 @@
+"""Configs: dataclasses composed of small shared ones, loaded from YAML, overridden by ``key=value``.
+
+A field is documented once, by the string literal right under it; ``field_docs`` reads those for
+``--help``. YAML maps one-to-one onto the dataclass: an unknown key is an error naming the key and the
+keys allowed there; values are converted to the field's type, and ``validate()`` checks the rest at
+start, naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SCHEDULERS = ("constant", "linear", "cosine")
+REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW β1."""
+    adam_beta2: float = 0.999
+    """AdamW β2."""
+    adam_eps: float = 1e-8
+    """AdamW ε."""
+    scheduler: str = "linear"
+    """Learning-rate schedule after warm-up: constant, linear (to 0) or cosine (to 0)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; null = no clipping."""
+
+    def validate(self, name: str = "optim") -> None:
+        check_choice(f"{name}.scheduler", self.scheduler, SCHEDULERS)
+        if self.lr <= 0:
+            raise ValueError(f"{name}.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"{name}.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"{name}.max_grad_norm must be > 0 or null, got {self.max_grad_norm}")
+
+
+@dataclass
+class RunConfig:
+    """Steps, batches, logging and checkpoints of one run."""
+
+    output_dir: str = "runs/default"
+    """Run directory: resolved config, metrics.jsonl, TensorBoard events, checkpoints, final model."""
+    seed: int = 0
+    """Seed of the data order, the sampler and every random number generator."""
+    max_steps: int | None = None
+    """Optimizer steps; null = ``epochs`` passes over the training data."""
+    epochs: float = 1.0
+    """Passes over the training data when max_steps is null."""
+    batch_size: int = 8
+    """Examples per optimizer step, all processes together."""
+    micro_batch_size: int = 8
+    """Examples per forward/backward on one process (gradient accumulation fills the rest)."""
+    log_every: int = 1
+    """Log metrics every this many steps."""
+    eval_every: int | None = None
+    """Evaluate on the held-out split every this many steps (and at the end); null = only at the end."""
+    save_every: int | None = None
+    """Save a checkpoint every this many steps; null = only the final one."""
+    keep_last: int = 2
+    """Periodic checkpoints to keep (the oldest are deleted)."""
+    resume_from: str | None = None
+    """``latest`` (the newest complete checkpoint in output_dir) or a checkpoint folder; null = fresh."""
+    report_to: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Metric sinks: jsonl, tensorboard, wandb, mlflow (the last two when installed)."""
+    progress: bool = True
+    """Show a progress bar with step, ETA and the key metrics."""
+    mixed_precision: str = "no"
+    """accelerate mixed precision: no, bf16 or fp16."""
+
+    def validate(self, name: str = "run") -> None:
+        for key in ("batch_size", "micro_batch_size", "log_every", "keep_last"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{name}.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("max_steps", "eval_every", "save_every"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}.{key} must be >= 1 or null, got {value}")
+        if self.epochs <= 0:
+            raise ValueError(f"{name}.epochs must be > 0, got {self.epochs}")
+        for sink in self.report_to:
+            check_choice(f"{name}.report_to", sink, REPORTERS)
+        check_choice(f"{name}.mixed_precision", self.mixed_precision, MIXED_PRECISION)
+
+
+def check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# YAML and key=value
+# --------------------------------------------------------------------------------------------------
+
+
+def _convert(value: Any, annotation, where: str):
+    """``value`` as the type ``annotation`` names (dataclasses recursively, Optionals, lists, scalars)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            if len(options) < len(typing.get_args(annotation)):
+                return None
+            raise ValueError(f"{where} cannot be null")
+        errors = []
+        for option in options:
+            try:
+                return _convert(value, option, where)
+            except (TypeError, ValueError) as err:
+                errors.append(str(err))
+        raise ValueError(errors[0])
+    if dataclasses.is_dataclass(annotation):
+        if isinstance(value, annotation):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a mapping of {annotation.__name__} fields")
+        return from_dict(annotation, value, where)
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.startswith("[") else [v for v in value.split(",") if v]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{where} must be a list")
+        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or annotation is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a mapping")
+        return dict(value)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+    if annotation in (int, float):
+        if isinstance(value, bool):
+            raise ValueError(f"{where} must be a number, got {value!r}")
+        try:
+            number = annotation(value) if annotation is float else int(str(value), 10)
+        except (TypeError, ValueError):
+            if annotation is int and isinstance(value, float) and value.is_integer():
+                return int(value)
+            kind = "an integer" if annotation is int else "a number"
+            raise ValueError(f"{where} must be {kind}, got {value!r}") from None
+        return number
+    if annotation is str:
+        if isinstance(value, dict | list):
+            raise ValueError(f"{where} must be a string, got {type(value).__name__}")
+        return str(value)
+    if annotation is Any:
+        return value
+    raise TypeError(f"{where}: unsupported config type {annotation!r}")
+
+
+def from_dict(cls, data: dict, where: str = ""):
+    """Build dataclass ``cls`` from a nested dict; unknown keys are errors."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ValueError(f"unknown config key {prefix}{unknown[0]!r}; allowed here: {', '.join(names)}")
+    kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def apply_override(data: dict, cls, assignment: str) -> None:
+    """Set ``a.b.c=value`` in the nested dict ``data`` (value parsed as YAML, converted later by type)."""
+    if "=" not in assignment:
+        raise ValueError(f"override {assignment!r} must look like key=value (e.g. optim.lr=1e-5)")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node, node_cls = data, cls
+    for depth, part in enumerate(parts):
+        names = {f.name: f for f in dataclasses.fields(node_cls)}
+        if part not in names:
+            prefix = ".".join(parts[:depth])
+            raise ValueError(
+                f"unknown config key {key!r}: {prefix + '.' if prefix else ''}{part} is not one of {', '.join(names)}"
+            )
+        if depth == len(parts) - 1:
+            node[part] = yaml.safe_load(raw) if raw.strip() else ""
+            return
+        annotation = typing.get_type_hints(node_cls)[part]
+        options = [a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)] or [annotation]
+        if not dataclasses.is_dataclass(options[0]):
+            raise ValueError(f"config key {'.'.join(parts[: depth + 1])!r} has no sub-keys")
+        node = node.setdefault(part, {})
+        node_cls = options[0]
+
+
+def load_config(cls, path: str | Path | None = None, overrides: list[str] = ()):
+    """``cls`` from a YAML file (optional) and ``key=value`` overrides, validated."""
+    data: dict = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: a config file must be a YAML mapping")
+        data = loaded
+    for assignment in overrides:
+        apply_override(data, cls, assignment)
+    config = from_dict(cls, data)
+    config.validate()
+    return config
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field name: the string literal under it} of dataclass ``cls`` (and of its dataclass bases)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe(cls, prefix: str = "", instance=None) -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every leaf option of ``cls``, nested dataclasses flattened."""
+    instance = instance if instance is not None else cls()
+    docs, hints, rows = field_docs(cls), typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        value = getattr(instance, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            rows += describe(type(value), f"{key}.", value)
+        else:
+            type_name = getattr(hints[f.name], "__name__", None) or str(hints[f.name]).replace("typing.", "")
+            rows.append((key, f"{value!r} ({type_name})", docs.get(f.name, "")))
+    return rows

@@ -1,0 +1,217 @@
+"""Direct Preference Optimization (Rafailov et al. 2023) with ``core.dpo_loss`` (sigmoid, IPO, hinge).
+
+    h = (log π(y_w|x) − log π_ref(y_w|x)) − (log π(y_l|x) − log π_ref(y_l|x)),   loss = mean over pairs of ℓ(h)
+
+log π(y|x) sums the log-probs of the completion tokens. The reference is a frozen copy of the starting
+policy, the same weights with the LoRA adapter off, a separate checkpoint (``reference_path``), or
+its log-probs are computed once in a pass before training (``reference=precompute``) and the
+reference model is freed. At step 0 the policy is its own reference, so the loss starts at log 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+import torch
+
+from posttrain.core import DPO_KINDS, dpo_loss, masked_sum
+from posttrain.data import DataConfig, PreferenceExample, SequenceBatch, collate_preferences, load_preferences
+from posttrain.models import (
+    ModelConfig,
+    Reference,
+    load_causal_lm,
+    load_policy,
+    load_tokenizer,
+    sequence_logprobs,
+)
+from posttrain.trainers.config import OptimConfig, RunConfig, check_choice
+from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
+
+REFERENCE_MODES = ("auto", "copy", "adapter", "precompute")
+
+
+@dataclass
+class DPOConfig:
+    """posttrain dpo."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy to train, usually an SFT model (``model.lora`` for a LoRA adapter)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Preference pairs {"prompt", "chosen", "rejected"}."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Steps, batches, logging, checkpoints."""
+    beta: float = 0.1
+    """β: the strength of the implicit KL anchor to the reference."""
+    loss_type: str = "sigmoid"
+    """sigmoid (DPO), ipo or hinge."""
+    label_smoothing: float = 0.0
+    """ε of conservative DPO: the share of labels assumed flipped (sigmoid only)."""
+    reference: str = "auto"
+    """auto (adapter-off for LoRA, else copy), copy, adapter, or precompute (one pass, then freed)."""
+    reference_path: str | None = None
+    """A separate reference checkpoint; null = the starting policy."""
+
+    def validate(self) -> None:
+        self.model.validate("model")
+        self.data.validate("data")
+        self.optim.validate("optim")
+        self.run.validate("run")
+        check_choice("loss_type", self.loss_type, DPO_KINDS)
+        check_choice("reference", self.reference, REFERENCE_MODES)
+        if self.beta <= 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ValueError("label_smoothing applies to loss_type=sigmoid only")
+        if self.reference == "adapter" and (self.model.lora is None or self.reference_path):
+            raise ValueError("reference=adapter needs model.lora and no reference_path")
+
+
+@dataclass
+class DPOExample:
+    pair: PreferenceExample
+    ref_chosen: float | None = None  # precomputed log π_ref(y_w|x)
+    ref_rejected: float | None = None
+
+
+@dataclass
+class DPOBatch:
+    sequences: SequenceBatch  # 2B rows: chosen, then rejected
+    ref_logps: torch.Tensor | None  # [2B] when precomputed
+
+    def to(self, device) -> DPOBatch:
+        return DPOBatch(self.sequences.to(device), None if self.ref_logps is None else self.ref_logps.to(device))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.sequences.num_tokens
+
+
+def completion_logps(model, sequences: SequenceBatch) -> torch.Tensor:
+    """log π(y|x) = Σ over completion tokens, [N]."""
+    logprobs = sequence_logprobs(model, sequences.input_ids, sequences.attention_mask)
+    return masked_sum(logprobs, sequences.completion_mask, dim=1)
+
+
+class DPOTask:
+    def __init__(self, model, reference: Reference | None, pad_id: int, config: DPOConfig):
+        self.model, self.reference, self.pad_id, self.config = model, reference, pad_id, config
+
+    def collate(self, examples: list[DPOExample]) -> DPOBatch:
+        sequences = collate_preferences([e.pair for e in examples], self.pad_id)
+        if examples[0].ref_chosen is None:
+            return DPOBatch(sequences, None)
+        ref = [e.ref_chosen for e in examples] + [e.ref_rejected for e in examples]
+        return DPOBatch(sequences, torch.tensor(ref, dtype=torch.float32))
+
+    def count(self, batch: DPOBatch) -> int:
+        return batch.sequences.input_ids.shape[0] // 2
+
+    def reference_logps(self, sequences: SequenceBatch) -> torch.Tensor:
+        with self.reference.model_for_forward() as ref_model:
+            return completion_logps(ref_model, sequences)
+
+    def loss(self, batch: DPOBatch):
+        logps = completion_logps(self.model, batch.sequences)
+        ref_logps = batch.ref_logps if batch.ref_logps is not None else self.reference_logps(batch.sequences)
+        chosen, rejected = logps.chunk(2)
+        ref_chosen, ref_rejected = ref_logps.chunk(2)
+        losses, chosen_rewards, rejected_rewards = dpo_loss(
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            self.config.beta,
+            self.config.loss_type,
+            self.config.label_smoothing,
+        )
+        sums = {
+            "loss_sum": losses.detach().sum(),
+            "rewards/chosen": chosen_rewards.sum(),
+            "rewards/rejected": rejected_rewards.sum(),
+            "rewards/correct": (chosen_rewards > rejected_rewards).float().sum(),
+            "logps/chosen": chosen.detach().sum(),
+            "logps/rejected": rejected.detach().sum(),
+        }
+        return losses.sum(), sums
+
+    def finalize(self, sums: dict, count: int) -> dict:
+        n = max(count, 1)
+        metrics = {k: sums[k] / n for k in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")}
+        metrics.update(
+            {
+                "loss": sums["loss_sum"] / n,
+                "rewards/accuracy": sums["rewards/correct"] / n,
+                "rewards/margin": metrics["rewards/chosen"] - metrics["rewards/rejected"],
+            }
+        )
+        return metrics
+
+
+def build_reference(config: DPOConfig, policy, device) -> Reference:
+    if config.reference_path:
+        model = load_causal_lm(replace(config.model, path=config.reference_path, lora=None, device=str(device)))
+        return Reference(model=model)
+    reference = Reference.from_policy(policy, share=config.reference)
+    if reference.model is not None:
+        reference.model.to(device)
+    return reference
+
+
+def precompute_reference(forward, examples: list[DPOExample], pad_id: int, micro_batch_size: int, device) -> None:
+    """One pass over ``examples`` storing log π_ref of both responses in each; ``forward(sequences) -> [2B]``."""
+    for i in range(0, len(examples), micro_batch_size):
+        chunk = examples[i : i + micro_batch_size]
+        with torch.no_grad():
+            ref_chosen, ref_rejected = (
+                forward(collate_preferences([e.pair for e in chunk], pad_id).to(device)).cpu().chunk(2)
+            )
+        for e, c, r in zip(chunk, ref_chosen.tolist(), ref_rejected.tolist(), strict=True):
+            e.ref_chosen, e.ref_rejected = c, r
+
+
+def train(config: DPOConfig, callbacks=()) -> dict:
+    """Train the policy with DPO; writes ``<run.output_dir>/final/policy``."""
+    config.validate()
+    accelerator = build_accelerator(config.run)
+    torch.manual_seed(config.run.seed)
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+    pairs, report = load_preferences(config.data, tokenizer)
+    accelerator.print(f"[dpo] data: {report.summary()}")
+    train_pairs, eval_pairs = split_train_eval(pairs, config.data.eval_fraction, config.run.seed)
+    train_examples, eval_examples = [DPOExample(p) for p in train_pairs], [DPOExample(p) for p in eval_pairs]
+    policy = load_policy(replace(config.model, device=str(accelerator.device)))
+    task = DPOTask(policy, None, tokenizer.pad_token_id, config)
+    if config.reference == "precompute":
+        if config.reference_path:  # a separate model, loaded for the pass and dropped after it
+            task.reference = build_reference(config, policy, accelerator.device)
+            forward = task.reference_logps
+        else:  # the starting policy is the reference: no copy at all
+            forward = partial(completion_logps, policy)
+        precompute_reference(
+            forward,
+            train_examples + eval_examples,
+            tokenizer.pad_token_id,
+            config.run.micro_batch_size,
+            accelerator.device,
+        )
+        task.reference = None
+    else:
+        task.reference = build_reference(config, policy, accelerator.device)
+    result = run_offline(
+        task,
+        Trainable(policy, {"policy": policy}),
+        train_examples,
+        eval_examples,
+        config,
+        tokenizer,
+        accelerator,
+        callbacks,
+        bar_keys=("loss", "rewards/accuracy"),
+    )
+    result["data_report"] = report.summary()
+    return result

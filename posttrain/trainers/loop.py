@@ -1,0 +1,274 @@
+"""The plumbing every trainer shares, written once: accelerate, data order, the optimizer step with
+globally normalised gradient accumulation, evaluation, logging and checkpoints.
+
+Loss normalisation (PITFALLS #1): a task returns the *sum* of its per-unit losses over a micro-batch
+(units are completion tokens for SFT, pairs for DPO, rankings for reward models) and the number of
+units. Before the first micro-batch the loop knows the step's global unit count N (all micro-batches,
+all processes), and back-propagates Σ loss / N from each micro-batch, times the number of processes
+because DDP averages gradients over them. One optimizer step is then the gradient of the mean over
+all units of the step, whatever the split into micro-batches, accumulation steps or processes.
+
+Data order: step k of epoch e reads positions [k·B, (k+1)·B) of a permutation drawn from
+``seed + e``. The position in the data is therefore a function of the step alone, and a resumed run
+reads exactly the batches an uninterrupted one would (PITFALLS #13).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import yaml
+
+from posttrain.trainers.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from posttrain.trainers.config import OptimConfig, RunConfig, to_dict
+from posttrain.trainers.metrics import MetricsLogger
+
+
+class Task(Protocol):
+    """What a trainer plugs into the loop."""
+
+    def collate(self, examples: list) -> Any: ...
+
+    def count(self, batch) -> int:
+        """Loss units in ``batch`` (tokens, pairs, rankings): the denominator of the step's mean."""
+
+    def loss(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(Σ of the per-unit losses over the batch, {metric: sum}) — sums, so micro-batches add up."""
+
+    def finalize(self, sums: dict[str, float], count: int) -> dict[str, float]:
+        """Metrics of a step or an evaluation from the summed values."""
+
+
+@dataclass
+class StepSchedule:
+    """Which examples each step reads."""
+
+    num_examples: int
+    batch_size: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_examples // self.batch_size
+
+    def indices(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(self.num_examples, generator=torch.Generator().manual_seed(self.seed + epoch))
+        return order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
+
+
+def split_train_eval(examples: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """A seeded shuffle, then the last ``eval_fraction`` of it held out."""
+    if eval_fraction <= 0:
+        return examples, []
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = max(1, int(round(len(examples) * eval_fraction)))
+    return [examples[i] for i in order[:-n_eval]], [examples[i] for i in order[-n_eval:]]
+
+
+def build_accelerator(run: RunConfig):
+    from accelerate import Accelerator
+
+    return Accelerator(mixed_precision=run.mixed_precision, step_scheduler_with_optimizer=False)
+
+
+def build_optimizer(params, optim: OptimConfig, total_steps: int):
+    """AdamW and a warm-up + (constant | linear | cosine) schedule as a LambdaLR."""
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=optim.lr,
+        betas=(optim.adam_beta1, optim.adam_beta2),
+        eps=optim.adam_eps,
+        weight_decay=optim.weight_decay,
+    )
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / (optim.warmup_steps + 1)
+        progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
+        if optim.scheduler == "linear":
+            return max(0.0, 1.0 - progress)
+        if optim.scheduler == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def write_resolved_config(output_dir: str | Path, config) -> None:
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(output_dir) / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+@dataclass
+class Trainable:
+    """The model the optimizer updates, and the roles saved in checkpoints ({role: model})."""
+
+    model: torch.nn.Module
+    saved: dict[str, torch.nn.Module]
+
+
+def run_offline(
+    task: Task,
+    trainable: Trainable,
+    train_examples: list,
+    eval_examples: list,
+    config,
+    tokenizer,
+    accelerator,
+    callbacks: list[Callable[[int, dict], None]] = (),
+    bar_keys: tuple[str, ...] = ("loss",),
+) -> dict:
+    """Train ``trainable.model`` on ``task``; returns {"final_metrics", "eval_metrics", "output_dir"}."""
+    run: RunConfig = config.run
+    world = accelerator.num_processes
+    if run.batch_size % world or (run.batch_size // world) % min(run.micro_batch_size, run.batch_size // world):
+        raise ValueError(
+            f"run.batch_size={run.batch_size} must split evenly over {world} process(es) and then into "
+            f"micro-batches of run.micro_batch_size={run.micro_batch_size}"
+        )
+    per_process = run.batch_size // world
+    micro = min(run.micro_batch_size, per_process)
+    schedule = StepSchedule(len(train_examples), run.batch_size, run.seed)
+    if schedule.steps_per_epoch < 1:
+        raise ValueError(f"run.batch_size={run.batch_size} is larger than the {len(train_examples)} training examples")
+    total_steps = run.max_steps or max(1, math.ceil(run.epochs * schedule.steps_per_epoch))
+
+    model = trainable.model
+    optimizer, scheduler = build_optimizer(
+        [p for p in model.parameters() if p.requires_grad], config.optim, total_steps
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    saved = {role: (model if m is trainable.model else m) for role, m in trainable.saved.items()}
+
+    start_step = 0
+    resume = resolve_resume(run.output_dir, run.resume_from)
+    if resume is not None:
+        start_step = load_checkpoint(accelerator, resume)["step"]
+    if accelerator.is_main_process:
+        write_resolved_config(run.output_dir, config)
+    logger = MetricsLogger(
+        run.output_dir,
+        run.report_to,
+        to_dict(config),
+        enabled=accelerator.is_main_process,
+        progress_total=total_steps,
+        progress=run.progress,
+        run_name=Path(run.output_dir).name,
+    )
+    logger.advance(start_step)
+    device = accelerator.device
+
+    def evaluate() -> dict[str, float]:
+        model.eval()
+        sums, count = {}, 0
+        mine = eval_examples[accelerator.process_index :: world]
+        with torch.no_grad():
+            for i in range(0, len(mine), micro):
+                batch = task.collate(mine[i : i + micro])
+                count += task.count(batch)
+                _, batch_sums = task.loss(batch.to(device))
+                for k, v in batch_sums.items():
+                    sums[k] = sums.get(k, 0.0) + v.detach()
+        model.train()
+        totals = _reduce(accelerator, sums, count)
+        return {f"eval/{k}": v for k, v in task.finalize(*totals).items()}
+
+    metrics: dict[str, float] = {}
+    eval_metrics: dict[str, float] = {}
+    model.train()
+    for step in range(start_step, total_steps):
+        t0 = time.perf_counter()
+        indices = schedule.indices(step)[accelerator.process_index * per_process :][:per_process]
+        batches = [
+            task.collate([train_examples[i] for i in indices[j : j + micro]]) for j in range(0, per_process, micro)
+        ]
+        local = torch.tensor(float(sum(task.count(b) for b in batches)), device=device)
+        global_count = accelerator.reduce(local, reduction="sum").clamp(min=1)
+        sums: dict[str, torch.Tensor] = {}
+        tokens = 0
+        for k, batch in enumerate(batches):
+            sync = contextlib.nullcontext() if k == len(batches) - 1 else accelerator.no_sync(model)
+            with sync:
+                loss_sum, batch_sums = task.loss(batch.to(device))
+                accelerator.backward(loss_sum * world / global_count)
+            tokens += batch.num_tokens
+            for name, value in batch_sums.items():
+                sums[name] = sums.get(name, 0.0) + value.detach()
+        grad_norm = _clip(accelerator, model, config.optim.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        done = step + 1
+        totals = _reduce(accelerator, {**sums, "tokens": torch.tensor(float(tokens), device=device)}, local.item())
+        seconds = time.perf_counter() - t0
+        metrics = task.finalize(*totals)
+        metrics.update(
+            {
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm,
+                "tokens_per_s": totals[0]["tokens"] / seconds,
+                "samples_per_s": run.batch_size / seconds,
+                "time/step": seconds,
+                "epoch": done / schedule.steps_per_epoch,
+            }
+        )
+        if eval_examples and run.eval_every and done % run.eval_every == 0 and done < total_steps:
+            eval_metrics = evaluate()
+            metrics.update(eval_metrics)
+        if done % run.log_every == 0 or done == total_steps:
+            logger.log(done, metrics, bar_keys)
+        logger.advance()
+        if run.save_every and done % run.save_every == 0 and done < total_steps:
+            save_checkpoint(
+                accelerator, run.output_dir, done, saved, tokenizer, {"epoch": metrics["epoch"]}, run.keep_last
+            )
+        for callback in callbacks:
+            callback(done, metrics)
+
+    if eval_examples:
+        eval_metrics = evaluate()
+        logger.log(total_steps, eval_metrics)
+    logger.close()
+    save_final(accelerator, run.output_dir, saved, tokenizer)
+    return {"final_metrics": metrics, "eval_metrics": eval_metrics, "output_dir": run.output_dir, "steps": total_steps}
+
+
+def save_final(accelerator, output_dir, models: dict, tokenizer) -> None:
+    """``<output_dir>/final/<role>``: ordinary Hugging Face checkpoints with the tokenizer."""
+    for role, model in models.items():
+        state_dict = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(Path(output_dir) / "final" / role, state_dict=state_dict)
+            tokenizer.save_pretrained(Path(output_dir) / "final" / role)
+    accelerator.wait_for_everyone()
+
+
+def _clip(accelerator, model, max_norm: float | None) -> float:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if max_norm is None:
+        norms = [p.grad.detach().norm() for p in params if p.grad is not None]
+        return float(torch.stack(norms).norm()) if norms else 0.0
+    return float(accelerator.clip_grad_norm_(params, max_norm))
+
+
+def _reduce(accelerator, sums: dict, count) -> tuple[dict[str, float], int]:
+    """Sum ``sums`` and ``count`` over processes."""
+    names = sorted(sums)
+    device = accelerator.device
+    packed = torch.stack(
+        [torch.as_tensor(sums[n], dtype=torch.float64, device=device) for n in names]
+        + [torch.tensor(float(count), dtype=torch.float64, device=device)]
+    )
+    packed = accelerator.reduce(packed, reduction="sum")
+    values = packed.tolist()
+    return dict(zip(names, values[:-1], strict=True)), int(values[-1])

@@ -1,0 +1,109 @@
+"""Metric sinks: a JSONL file and TensorBoard in the run directory, W&B and MLflow when chosen, and a
+progress bar. Metrics are plain dicts of numbers; nothing here is global state."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+
+class MetricsLogger:
+    """Writes one record per logged step to every chosen sink. Only the main process writes."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        report_to: list[str],
+        config: dict,
+        enabled: bool = True,
+        progress_total: int | None = None,
+        progress: bool = True,
+        run_name: str | None = None,
+    ):
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self._file = None
+        self._tb = self._wandb = self._mlflow = None
+        self._bar = None
+        self._start = time.perf_counter()
+        if not enabled:
+            return
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        if "jsonl" in report_to:
+            self._file = open(self.path, "a", encoding="utf-8")
+        if "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+        if "wandb" in report_to:
+            try:
+                import wandb
+            except ImportError as err:
+                raise ImportError("run.report_to includes 'wandb' but wandb is not installed") from err
+            self._wandb = wandb.init(name=run_name, config=config, dir=str(output_dir))
+        if "mlflow" in report_to:
+            try:
+                import mlflow
+            except ImportError as err:
+                raise ImportError("run.report_to includes 'mlflow' but mlflow is not installed") from err
+            self._mlflow = mlflow
+            mlflow.start_run(run_name=run_name)
+            mlflow.log_params({k: str(v) for k, v in _flatten(config).items()})
+        if progress and progress_total is not None:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=progress_total, desc=run_name or "train", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float], keys_for_bar: tuple[str, ...] = ()) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": round(time.perf_counter() - self._start, 3)}
+        record.update({k: (float(v) if v is not None else None) for k, v in metrics.items()})
+        if self._file is not None:
+            self._file.write(json.dumps(record, allow_nan=True) + "\n")
+            self._file.flush()
+        for key, value in metrics.items():
+            if value is None or not math.isfinite(float(value)):
+                continue
+            if self._tb is not None:
+                self._tb.add_scalar(key, float(value), step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None}, step=step)
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{metrics[k]:.4g}" for k in keys_for_bar if k in metrics}, refresh=False)
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._mlflow is not None:
+            self._mlflow.end_run()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def read_metrics(output_dir: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

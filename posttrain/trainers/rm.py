@@ -1,0 +1,196 @@
+"""Reward models from human rankings (InstructGPT, Ouyang et al. 2022, eq. 1).
+
+    loss = mean over rankings of  mean_{i<j} −log σ(r(x, y_i) − r(x, y_j) − margin)   [+ centering]
+
+A ranking A > B > C > D gives all C(4, 2) = 6 ordered pairs, counted as one example; a preference pair
+is a ranking of K = 2 (Bradley–Terry). Optional reward centering (Eisenstein et al. 2023) adds
+``center_coef · mean over pairs of (r_i + r_j)²`` so scores stay near 0. After training, the head can be
+normalised so that scores of samples from a reference policy have mean 0 and std 1; the mean and std
+are stored in the checkpoint's config.json (``reward_normalization``) and applied by
+``posttrain.models.sequence_scores``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from posttrain.core import ranking_loss, ranking_pairs
+from posttrain.data import (
+    DataConfig,
+    RankingExample,
+    SequenceBatch,
+    collate,
+    load_preferences,
+    load_prompts,
+    load_rankings,
+)
+from posttrain.data.rows import read_rows
+from posttrain.models import ModelConfig, load_causal_lm, load_scalar_model, load_tokenizer, sequence_scores
+from posttrain.trainers.config import OptimConfig, RunConfig, check_choice
+from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, save_final, split_train_eval
+
+DATA_FORMATS = ("auto", "pairs", "rankings")
+
+
+@dataclass
+class RMConfig:
+    """posttrain rm."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Backbone to train: a causal LM (a new one-output head is added) or a reward-model checkpoint."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Pairs {"prompt", "chosen", "rejected"} or rankings {"prompt", "responses": [best, ..., worst]}."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Steps, batches, logging, checkpoints."""
+    data_format: str = "auto"
+    """pairs, rankings, or auto (pairs when the first row has 'chosen')."""
+    margin: float = 0.0
+    """The better response must win by this much (Llama 2's margin loss); 0 = plain Bradley–Terry."""
+    center_coef: float = 0.0
+    """Reward-centering coefficient (Eisenstein et al. 2023); 0 = off."""
+    normalize_policy: str | None = None
+    """After training, sample from this policy on the training prompts and normalise scores to mean 0, std 1."""
+    normalize_samples: int = 64
+    """How many policy samples the normalisation uses."""
+    normalize_max_new_tokens: int = 64
+    """Length limit of those samples."""
+
+    def validate(self) -> None:
+        self.model.validate("model")
+        self.data.validate("data")
+        self.optim.validate("optim")
+        self.run.validate("run")
+        check_choice("data_format", self.data_format, DATA_FORMATS)
+        if self.center_coef < 0:
+            raise ValueError(f"center_coef must be >= 0, got {self.center_coef}")
+        if self.normalize_samples < 2:
+            raise ValueError(f"normalize_samples must be >= 2, got {self.normalize_samples}")
+
+
+@dataclass
+class RankingBatch:
+    sequences: SequenceBatch  # Σ K_b rows: the responses of ranking b, best first, then those of b + 1
+    ks: list[int]  # K of each ranking
+
+    def to(self, device) -> RankingBatch:
+        return RankingBatch(self.sequences.to(device), self.ks)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.sequences.num_tokens
+
+
+class RMTask:
+    def __init__(self, model, pad_id: int, margin: float, center_coef: float):
+        self.model, self.pad_id, self.margin, self.center_coef = model, pad_id, margin, center_coef
+
+    def collate(self, examples: list[RankingExample]) -> RankingBatch:
+        pairs = [(e.prompt_ids, r) for e in examples for r in e.response_ids]
+        return RankingBatch(collate(pairs, self.pad_id), [len(e.response_ids) for e in examples])
+
+    def count(self, batch: RankingBatch) -> int:
+        return len(batch.ks)
+
+    def loss(self, batch: RankingBatch):
+        scores = sequence_scores(self.model, batch.sequences.input_ids, batch.sequences.attention_mask)
+        loss_sum = scores.new_zeros(())
+        sums = {k: scores.new_zeros(()) for k in ("correct", "pairs", "margin", "score", "score_sq", "responses")}
+        for ranking in torch.split(scores, batch.ks):  # rankings may differ in K
+            ranking = ranking.unsqueeze(0)  # [1, K]
+            loss_sum = loss_sum + ranking_loss(ranking, margin=self.margin)
+            better, worse = ranking_pairs(ranking.shape[1], ranking.device)
+            diff = ranking[0, better] - ranking[0, worse]
+            if self.center_coef:
+                loss_sum = loss_sum + self.center_coef * (ranking[0, better] + ranking[0, worse]).square().mean()
+            sums["correct"] += (diff > 0).sum()
+            sums["pairs"] += diff.numel()
+            sums["margin"] += diff.detach().sum()
+            sums["score"] += ranking.detach().sum()
+            sums["score_sq"] += ranking.detach().square().sum()
+            sums["responses"] += ranking.numel()
+        return loss_sum, {"loss_sum": loss_sum.detach(), **sums}
+
+    def finalize(self, sums: dict, count: int) -> dict:
+        n = max(sums["responses"], 1)
+        mean = sums["score"] / n
+        return {
+            "loss": sums["loss_sum"] / max(count, 1),
+            "accuracy": sums["correct"] / max(sums["pairs"], 1),
+            "margin": sums["margin"] / max(sums["pairs"], 1),
+            "score_mean": mean,
+            "score_std": math.sqrt(max(sums["score_sq"] / n - mean**2, 0.0)),
+        }
+
+
+def load_ranking_data(config: RMConfig, tokenizer):
+    """Rankings (pairs become rankings of K = 2) and the data report."""
+    data_format = config.data_format
+    if data_format == "auto":
+        first = next(iter(read_rows(config.data.path))).data
+        data_format = "pairs" if "chosen" in first else "rankings"
+    if data_format == "rankings":
+        return load_rankings(config.data, tokenizer)
+    pairs, report = load_preferences(config.data, tokenizer)
+    return [RankingExample(p.prompt_ids, [p.chosen_ids, p.rejected_ids]) for p in pairs], report
+
+
+def train(config: RMConfig, callbacks=()) -> dict:
+    """Train a reward model; writes ``<run.output_dir>/final/reward`` (a *ForSequenceClassification)."""
+    config.validate()
+    accelerator = build_accelerator(config.run)
+    torch.manual_seed(config.run.seed)
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+    examples, report = load_ranking_data(config, tokenizer)
+    accelerator.print(f"[rm] data: {report.summary()}")
+    train_examples, eval_examples = split_train_eval(examples, config.data.eval_fraction, config.run.seed)
+    model = load_scalar_model(replace(config.model, device="cpu"), "reward")
+    task = RMTask(model, tokenizer.pad_token_id, config.margin, config.center_coef)
+    result = run_offline(
+        task,
+        Trainable(model, {"reward": model}),
+        train_examples,
+        eval_examples,
+        config,
+        tokenizer,
+        accelerator,
+        callbacks,
+        bar_keys=("loss", "accuracy"),
+    )
+    result["data_report"] = report.summary()
+    if config.normalize_policy:
+        model = accelerator.unwrap_model(model)
+        result["normalization"] = normalize_reward(model, tokenizer, config, accelerator.device)
+        save_final(accelerator, config.run.output_dir, {"reward": model}, tokenizer)
+    return result
+
+
+def normalize_reward(model, tokenizer, config: RMConfig, device) -> dict:
+    """Score samples of ``config.normalize_policy`` on the training prompts; store their mean and std
+    in ``model.config.reward_normalization`` so that ``sequence_scores`` returns (r − mean) / std."""
+    from posttrain.rollout import HFEngine, SamplingParams
+
+    policy = load_causal_lm(ModelConfig(path=config.normalize_policy, device=str(device)))
+    prompts, _ = load_prompts(replace(config.data, on_malformed="skip"), tokenizer)
+    prompt_ids = [p.prompt_ids for p in prompts[: config.normalize_samples]]
+    engine = HFEngine(policy, tokenizer)
+    generator_state = torch.get_rng_state()
+    torch.manual_seed(config.run.seed)
+    scores = []
+    model.config.reward_normalization = None
+    for i in range(0, len(prompt_ids), config.run.micro_batch_size):
+        rollout = engine.generate(
+            prompt_ids[i : i + config.run.micro_batch_size],
+            SamplingParams(max_new_tokens=config.normalize_max_new_tokens),
+        )
+        with torch.no_grad():
+            scores.append(sequence_scores(model, rollout.input_ids.to(device), rollout.attention_mask.to(device)))
+    torch.set_rng_state(generator_state)
+    scores = torch.cat(scores)
+    stats = {"mean": float(scores.mean()), "std": float(scores.std().clamp(min=1e-6)), "samples": len(scores)}
+    model.config.reward_normalization = stats
+    return stats

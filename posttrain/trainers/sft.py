@@ -1,0 +1,102 @@
+"""Supervised fine-tuning: next-token loss on completion tokens only.
+
+    L = − Σ_{completion tokens t} log π(y_t | x, y_<t)  /  (completion tokens of the optimizer step)
+
+The mean is over every completion token of the optimizer step, not a mean of micro-batch means
+(``loop.run_offline``). With ``packing`` several examples share a row; position ids restart for each
+example and attention stays inside it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from posttrain.core import masked_sum
+from posttrain.data import DataConfig, SequenceBatch, collate_packed, collate_sft, load_sft, pack_sft
+from posttrain.models import ModelConfig, load_policy, load_tokenizer, sequence_logprobs
+from posttrain.trainers.config import OptimConfig, RunConfig
+from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
+
+
+@dataclass
+class SFTConfig:
+    """posttrain sft."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to fine-tune (``model.lora`` for a LoRA adapter)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """SFT rows: {"prompt", "completion"} or {"messages"}."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Steps, batches, logging, checkpoints."""
+    packing: bool = False
+    """Pack several examples into each row of data.max_length tokens (position ids reset per example)."""
+
+    def validate(self) -> None:
+        self.model.validate("model")
+        self.data.validate("data")
+        self.optim.validate("optim")
+        self.run.validate("run")
+        if self.packing and self.data.max_length is None:
+            raise ValueError("packing needs data.max_length (the length of a packed row)")
+
+
+class SFTTask:
+    def __init__(self, model, pad_id: int, packed: bool):
+        self.model, self.pad_id, self.packed = model, pad_id, packed
+
+    def collate(self, examples) -> SequenceBatch:
+        return collate_packed(examples, self.pad_id) if self.packed else collate_sft(examples, self.pad_id)
+
+    def count(self, batch: SequenceBatch) -> int:
+        return int(batch.completion_mask.sum())
+
+    def loss(self, batch: SequenceBatch):
+        logprobs = sequence_logprobs(self.model, batch.input_ids, batch.attention_mask, position_ids=batch.position_ids)
+        nll_sum = -masked_sum(logprobs, batch.completion_mask)
+        return nll_sum, {"nll_sum": nll_sum}
+
+    def finalize(self, sums: dict, count: int) -> dict:
+        loss = sums["nll_sum"] / max(count, 1)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "completion_tokens": count}
+
+
+def train(config: SFTConfig, callbacks=()) -> dict:
+    """Fine-tune ``config.model`` on ``config.data``; writes ``<run.output_dir>/final/policy``."""
+    config.validate()
+    accelerator = build_accelerator(config.run)
+    torch.manual_seed(config.run.seed)
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+    examples, report = load_sft(config.data, tokenizer)
+    accelerator.print(f"[sft] data: {report.summary()}")
+    train_examples, eval_examples = split_train_eval(examples, config.data.eval_fraction, config.run.seed)
+    if config.packing:
+        train_examples = pack_sft(train_examples, config.data.max_length)
+        eval_examples = pack_sft(eval_examples, config.data.max_length)
+        accelerator.print(f"[sft] packing: {len(examples)} examples into {len(train_examples)} training rows")
+    model_config = _on_cpu(config.model)
+    policy = load_policy(model_config)
+    task = SFTTask(policy, tokenizer.pad_token_id, config.packing)
+    result = run_offline(
+        task,
+        Trainable(policy, {"policy": policy}),
+        train_examples,
+        eval_examples,
+        config,
+        tokenizer,
+        accelerator,
+        callbacks,
+    )
+    result["data_report"] = report.summary()
+    return result
+
+
+def _on_cpu(model_config: ModelConfig) -> ModelConfig:
+    """Trained models load on the CPU; ``accelerator.prepare`` puts them on this process's device."""
+    from dataclasses import replace
+
+    return replace(model_config, device="cpu")

@@ -1,0 +1,374 @@
+"""SFT, reward models and DPO on tiny models: they learn, they are invariant to micro-batching, they resume."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain.data.synthetic import arithmetic_sft, vowel_count, vowel_pairs, vowel_rankings
+from posttrain.models import ModelConfig, load_reward_model, load_tokenizer, sequence_scores
+from posttrain.trainers import checkpoint
+from posttrain.trainers.config import load_config
+from posttrain.trainers.dpo import DPOConfig
+from posttrain.trainers.dpo import train as train_dpo
+from posttrain.trainers.metrics import read_metrics
+from posttrain.trainers.rm import RMConfig
+from posttrain.trainers.rm import train as train_rm
+from posttrain.trainers.sft import SFTConfig
+from posttrain.trainers.sft import train as train_sft
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _sft_config(tiny_dir, tmp_path, *overrides, name="sft"):
+    data = _jsonl(tmp_path / "sft.jsonl", arithmetic_sft(64, seed=0))
+    base = [
+        f"model.path={tiny_dir / 'policy'}",
+        f"data.path={data}",
+        f"run.output_dir={tmp_path / name}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "optim.lr=3e-3",
+        "data.chat_template=never",
+    ]
+    return load_config(SFTConfig, None, base + list(overrides))
+
+
+def _weights(output_dir, role="policy"):
+    return load_file(f"{output_dir}/final/{role}/model.safetensors")
+
+
+def test_sft_loss_falls(tiny_dir, tmp_path):
+    config = _sft_config(
+        tiny_dir,
+        tmp_path,
+        "run.max_steps=25",
+        "run.batch_size=16",
+        "run.micro_batch_size=8",
+        "data.eval_fraction=0.25",
+        "optim.scheduler=constant",
+    )
+    result = train_sft(config)
+    records = [r for r in read_metrics(config.run.output_dir) if "loss" in r]
+    assert records[0]["loss"] > 3.0  # a random model over 100 characters: about ln(100) = 4.6
+    assert records[-1]["loss"] < 0.6 * records[0]["loss"]
+    assert result["eval_metrics"]["eval/loss"] < 0.6 * records[0]["loss"]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s"):
+        assert key in records[-1] and math.isfinite(records[-1][key])
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(f"{config.run.output_dir}/final/policy")  # a plain HF checkpoint
+    assert (tmp_path / "sft" / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_micro_batching_gives_the_same_step(tiny_dir, tmp_path, micro):
+    """Accumulation 1×4 and 4×1 (and 2×2) give the same gradient and parameters (PITFALLS #1)."""
+    # varied completion lengths, so a mean of micro-batch means would weigh tokens differently
+    rows = [{"prompt": f"{i}+{i}=", "completion": "x" * (1 + 5 * (i % 4))} for i in range(8)]
+    data = _jsonl(tmp_path / "varied.jsonl", rows)
+    runs = {}
+    for m in (4, micro):
+        config = _sft_config(
+            tiny_dir,
+            tmp_path,
+            f"data.path={data}",
+            "run.max_steps=2",
+            "run.batch_size=4",
+            f"run.micro_batch_size={m}",
+            "optim.lr=1e-3",  # Adam divides by |g|: at 1e-2 float summation order shows on near-zero g
+            "optim.weight_decay=0.1",
+            name=f"mb{m}",
+        )
+        train_sft(config)
+        runs[m] = (_weights(config.run.output_dir), [r["grad_norm"] for r in read_metrics(config.run.output_dir)])
+    (w4, g4), (w1, g1) = runs[4], runs[micro]
+    assert g4 == pytest.approx(g1, rel=1e-5)
+    for name in w4:
+        torch.testing.assert_close(w1[name], w4[name], rtol=0, atol=1e-5)
+
+
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tiny_dir, tmp_path):
+    common = ["run.max_steps=6", "run.batch_size=8", "run.micro_batch_size=4", "run.save_every=3"]
+    straight = _sft_config(tiny_dir, tmp_path, *common, name="straight")
+    train_sft(straight)
+
+    crashed = _sft_config(tiny_dir, tmp_path, *common, name="crashed")
+
+    def crash(step, metrics):
+        if step == 4:  # after the checkpoint of step 3, before the end
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(crashed, callbacks=[crash])
+    assert [p.name for p in checkpoint.list_checkpoints(crashed.run.output_dir)] == ["step-000003"]
+    resumed = _sft_config(tiny_dir, tmp_path, *common, "run.resume_from=latest", name="crashed")
+    train_sft(resumed)
+    a, b = _weights(straight.run.output_dir), _weights(resumed.run.output_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [r["step"] for r in read_metrics(resumed.run.output_dir)]
+    assert steps == [1, 2, 3, 4, 1 + 3, 2 + 3, 3 + 3]  # 4 logged before the crash, then 4, 5, 6 again
+
+
+def test_interrupted_save_leaves_previous_checkpoint_and_partial_is_refused(tiny_dir, tmp_path, monkeypatch):
+    config = _sft_config(tiny_dir, tmp_path, "run.max_steps=4", "run.batch_size=8", "run.save_every=2", name="atomic")
+    calls = []
+    real = checkpoint._fsync_tree
+
+    def dies_on_second_save(root):
+        calls.append(root)
+        if len(calls) == 2:
+            raise OSError("killed while saving")
+        real(root)
+
+    monkeypatch.setattr(checkpoint, "_fsync_tree", dies_on_second_save)
+    config.run.max_steps = 6
+    with pytest.raises(OSError, match="killed while saving"):
+        train_sft(config)
+    out = config.run.output_dir
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step-000002"]
+    assert checkpoint.resolve_resume(out, "latest").name == "step-000002"
+    partial = checkpoint.checkpoints_dir(out) / ".tmp-step-000004"
+    assert partial.is_dir()
+    (partial / checkpoint.STATE_FILE).unlink(missing_ok=True)
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match="partial checkpoint"):
+        checkpoint.resolve_resume(out, str(partial))
+
+
+def test_packing_keeps_examples_apart_and_trains(tiny_dir, tmp_path, tokenizer):
+    from posttrain.data import SFTExample, collate_packed, collate_sft, pack_sft
+    from posttrain.models import load_causal_lm, sequence_logprobs
+
+    examples = [SFTExample(tokenizer(f"{i}+{i}=").input_ids, [20 + i, 30 + i, 2]) for i in range(5)]
+    packs = pack_sft(examples, max_length=24)
+    assert len(packs) < len(examples)
+    model = load_causal_lm(ModelConfig(path=str(tiny_dir / "policy")))
+    packed, alone = collate_packed(packs, 0), collate_sft(examples, 0)
+    with torch.no_grad():
+        lp_packed = sequence_logprobs(model, packed.input_ids, packed.attention_mask, position_ids=packed.position_ids)
+        lp_alone = sequence_logprobs(model, alone.input_ids, alone.attention_mask)
+    got = lp_packed[packed.completion_mask.bool()]
+    want = lp_alone[alone.completion_mask.bool()]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # no attention across examples
+
+    config = _sft_config(
+        tiny_dir, tmp_path, "packing=true", "data.max_length=64", "run.max_steps=10", "run.batch_size=4", name="packed"
+    )
+    train_sft(config)
+    records = read_metrics(config.run.output_dir)
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def _rm_config(tiny_dir, tmp_path, data_path, name, *overrides):
+    base = [
+        f"model.path={tiny_dir / 'policy'}",
+        f"data.path={data_path}",
+        f"run.output_dir={tmp_path / name}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "optim.lr=2e-3",
+        "optim.scheduler=constant",
+        "data.chat_template=never",
+        "run.batch_size=16",
+        "data.eval_fraction=0.2",
+    ]
+    return load_config(RMConfig, None, base + list(overrides))
+
+
+def test_reward_model_learns_pairs(tiny_dir, tmp_path):
+    data = _jsonl(tmp_path / "pairs.jsonl", vowel_pairs(400, seed=0))
+    config = _rm_config(tiny_dir, tmp_path, data, "rm_pairs", "run.max_steps=60")
+    result = train_rm(config)
+    assert result["eval_metrics"]["eval/accuracy"] > 0.9
+    first = read_metrics(config.run.output_dir)[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=0.05)  # an untrained head scores both alike
+    for key in ("accuracy", "margin", "score_mean", "score_std"):
+        assert key in first
+
+
+def _ranking_agreement(model_dir, tokenizer, rows):
+    """Share of all C(K,2) pairs of held-out rankings that the model orders like the true vowel count."""
+    model = load_reward_model(ModelConfig(path=model_dir))
+    agree = total = 0
+    for row in rows:
+        ids = [
+            tokenizer(row["prompt"]).input_ids + tokenizer(r, add_special_tokens=False).input_ids + [2]
+            for r in row["responses"]
+        ]
+        batch = torch.tensor(ids)
+        with torch.no_grad():
+            scores = sequence_scores(model, batch, torch.ones_like(batch)).tolist()
+        truth = [vowel_count(r) for r in row["responses"]]
+        for i in range(len(ids)):
+            for j in range(i + 1, len(ids)):
+                agree += (scores[i] - scores[j]) * (truth[i] - truth[j]) > 0
+                total += 1
+    return agree / total
+
+
+def test_k_way_rankings_beat_top_vs_bottom_pairs(tiny_dir, tmp_path, tokenizer):
+    rankings = vowel_rankings(240, k=4, seed=1)
+    held_out = vowel_rankings(60, k=4, seed=99)
+    top_bottom = [
+        {"prompt": r["prompt"], "chosen": r["responses"][0], "rejected": r["responses"][-1]} for r in rankings
+    ]
+    scores = {}
+    for name, rows in (("kway", rankings), ("topbottom", top_bottom)):
+        data = _jsonl(tmp_path / f"{name}.jsonl", rows)
+        config = _rm_config(tiny_dir, tmp_path, data, name, "run.max_steps=30", "data.eval_fraction=0", "optim.lr=1e-3")
+        train_rm(config)
+        scores[name] = _ranking_agreement(f"{config.run.output_dir}/final/reward", tokenizer, held_out)
+    assert scores["kway"] > scores["topbottom"] + 0.02, scores
+
+
+def test_reward_normalisation_on_policy_samples(tiny_dir, tmp_path):
+    data = _jsonl(tmp_path / "pairs.jsonl", vowel_pairs(64, seed=0))
+    config = _rm_config(
+        tiny_dir,
+        tmp_path,
+        data,
+        "rm_norm",
+        "run.max_steps=5",
+        f"normalize_policy={tiny_dir / 'policy'}",
+        "normalize_samples=16",
+        "normalize_max_new_tokens=8",
+        "data.eval_fraction=0",
+    )
+    result = train_rm(config)
+    stats = result["normalization"]
+    assert stats["samples"] == 16 and stats["std"] > 0
+    saved = json.loads((tmp_path / "rm_norm" / "final" / "reward" / "config.json").read_text())
+    assert saved["reward_normalization"] == stats
+
+
+def _dpo_config(tiny_dir, tmp_path, name, *overrides):
+    rows = [
+        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["answer"][::-1] + "x"}
+        for r in arithmetic_sft(64, seed=3)
+    ]
+    data = _jsonl(tmp_path / "dpo.jsonl", rows)
+    base = [
+        f"model.path={tiny_dir / 'policy'}",
+        f"data.path={data}",
+        f"run.output_dir={tmp_path / name}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "optim.lr=2e-3",
+        "optim.scheduler=constant",
+        "data.chat_template=never",
+        "run.batch_size=8",
+        "run.max_steps=12",
+        "data.eval_fraction=0.25",
+    ]
+    return load_config(DPOConfig, None, base + list(overrides))
+
+
+def test_dpo_starts_at_log2_and_learns(tiny_dir, tmp_path):
+    config = _dpo_config(tiny_dir, tmp_path, "dpo")
+    result = train_dpo(config)
+    records = read_metrics(config.run.output_dir)
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert records[0]["rewards/margin"] == pytest.approx(0.0, abs=1e-6)
+    assert sum(r["rewards/accuracy"] for r in records[-4:-1]) / 3 > 0.5
+    assert result["eval_metrics"]["eval/rewards/accuracy"] > 0.5
+    for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "rewards/margin"):
+        assert key in records[0]
+
+
+def test_dpo_precomputed_reference_matches_frozen_copy(tiny_dir, tmp_path):
+    copy = _dpo_config(tiny_dir, tmp_path, "copy", "reference=copy", "run.max_steps=3")
+    pre = _dpo_config(tiny_dir, tmp_path, "pre", "reference=precompute", "run.max_steps=3")
+    train_dpo(copy)
+    train_dpo(pre)
+    a, b = _weights(copy.run.output_dir), _weights(pre.run.output_dir)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_dpo_lora_reference_is_adapter_off(tiny_dir, tmp_path):
+    config = _dpo_config(
+        tiny_dir,
+        tmp_path,
+        "lora",
+        "reference=adapter",
+        "run.max_steps=4",
+        "optim.lr=5e-3",
+        'model.lora={"r": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}',
+    )
+    train_dpo(config)
+    records = read_metrics(config.run.output_dir)
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert records[-2]["loss"] < records[0]["loss"]
+    assert (tmp_path / "lora" / "final" / "policy" / "adapter_config.json").is_file()
+
+
+def test_config_yaml_overrides_and_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: m}\ndata: {path: d, max_length: 64}\noptim: {lr: 1e-4}\nbeta: 0.2\n")
+    config = load_config(DPOConfig, path, ["optim.lr=5e-5", "run.report_to=jsonl,tensorboard", "data.max_length=null"])
+    assert (config.optim.lr, config.beta, config.data.max_length) == (5e-5, 0.2, None)
+    assert config.run.report_to == ["jsonl", "tensorboard"]
+    with pytest.raises(ValueError, match="unknown config key 'optim.lrr'"):
+        load_config(DPOConfig, path, ["optim.lrr=1"])
+    with pytest.raises(ValueError, match=r"loss_type must be one of \('sigmoid', 'ipo', 'hinge'\)"):
+        load_config(DPOConfig, path, ["loss_type=kto"])
+    with pytest.raises(ValueError, match="run.batch_size must be an integer"):
+        load_config(DPOConfig, path, ["run.batch_size=eight"])
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        load_config(DPOConfig, path, ["beta=0"])
+
+
+def test_cli_runs_a_trainer_in_a_subprocess(tiny_dir, tmp_path):
+    data = _jsonl(tmp_path / "sft.jsonl", arithmetic_sft(32, seed=0))
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        f"model: {{path: {tiny_dir / 'policy'}}}\ndata: {{path: {data}}}\n"
+        f"run: {{output_dir: {tmp_path / 'cli'}, max_steps: 3, batch_size: 8, progress: false}}\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "sft", "--config", str(config), "optim.lr=1e-3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout[out.stdout.index("{") :])
+    assert summary["steps"] == 3 and (tmp_path / "cli" / "final" / "policy" / "model.safetensors").is_file()
+    assert (tmp_path / "cli" / "tensorboard").is_dir()
+    bad = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "sft", "--config", str(config), "run.epochs=-1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "run.epochs must be > 0" in bad.stderr
+    helped = subprocess.run([sys.executable, "-m", "posttrain.cli", "rm", "--help"], capture_output=True, text=True)
+    assert "center_coef = 0.0 (float)" in helped.stdout and "Reward-centering coefficient" in helped.stdout
+    assert load_tokenizer(str(tmp_path / "cli" / "final" / "policy")).eos_token == "<eos>"
+
+
+@pytest.mark.parametrize("name", ["sft_tiny", "rm_rankings_tiny", "dpo_tiny", "rm_hh_rlhf", "dpo_hh_rlhf"])
+def test_example_configs_are_valid(name):
+    from pathlib import Path
+
+    classes = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig}
+    path = Path(__file__).parent.parent / "examples" / f"{name}.yaml"
+    config = load_config(classes[name.split("_")[0]], path)
+    assert config.model.path == "runs/tiny/policy" and config.data.path.startswith("runs/data/")
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    from posttrain.demo import run_demo
+
+    results = run_demo(str(tmp_path / "demo"), quick=True)
+    assert results["accuracy_before_sft"] == 0.0
+    assert results["sft_final_loss"] < 2.0
+    assert 0.0 <= results["accuracy_after_dpo"] <= 1.0
+    assert json.loads((tmp_path / "demo" / "summary.json").read_text()) == results
