@@ -27,8 +27,10 @@ def main(root: str = "runs") -> None:
     for kind, name in (("causal", "policy"), ("reward", "reward")):
         print(f"wrote {build_tiny(root / 'tiny' / name, kind=kind, seed=0)}")
     write(root / "data" / "arith_sft.jsonl", arithmetic_sft(2000, seed=0))
-    write(root / "data" / "arith_prompts.jsonl", [{"prompt": r["prompt"], "answer": r["answer"]}
-                                                   for r in arithmetic_sft(500, seed=1)])
+    write(
+        root / "data" / "arith_prompts.jsonl",
+        [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(500, seed=1)],
+    )
     write(root / "data" / "vowel_pairs.jsonl", vowel_pairs(2000, seed=0))
     write(root / "data" / "vowel_rankings.jsonl", vowel_rankings(1000, k=4, seed=0))
     write(root / "data" / "hh_rlhf.jsonl", load_hh_rlhf())

@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"posttrain {args.command}: error: {err}\n")
     result = module.train(config)
-    summary = {k: v for k, v in result.items() if k in ("final_metrics", "eval_metrics", "steps", "output_dir")}
+    if int(os.environ.get("RANK", "0")) != 0:  # one summary per run, from the main process
+        return 0
+    summary = {
+        k: v for k, v in result.items() if k in ("final_metrics", "eval_metrics", "steps", "processes", "output_dir")
+    }
     print(json.dumps(summary, indent=2, default=float))
     return 0
 

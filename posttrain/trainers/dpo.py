@@ -98,8 +98,8 @@ def completion_logps(model, sequences: SequenceBatch) -> torch.Tensor:
 
 
 class DPOTask:
-    def __init__(self, model, reference: Reference | None, pad_id: int, config: DPOConfig):
-        self.model, self.reference, self.pad_id, self.config = model, reference, pad_id, config
+    def __init__(self, reference: Reference | None, pad_id: int, config: DPOConfig):
+        self.reference, self.pad_id, self.config = reference, pad_id, config
 
     def collate(self, examples: list[DPOExample]) -> DPOBatch:
         sequences = collate_preferences([e.pair for e in examples], self.pad_id)
@@ -115,8 +115,8 @@ class DPOTask:
         with self.reference.model_for_forward() as ref_model:
             return completion_logps(ref_model, sequences)
 
-    def loss(self, batch: DPOBatch):
-        logps = completion_logps(self.model, batch.sequences)
+    def loss(self, model, batch: DPOBatch):
+        logps = completion_logps(model, batch.sequences)
         ref_logps = batch.ref_logps if batch.ref_logps is not None else self.reference_logps(batch.sequences)
         chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = ref_logps.chunk(2)
@@ -185,7 +185,7 @@ def train(config: DPOConfig, callbacks=()) -> dict:
     train_pairs, eval_pairs = split_train_eval(pairs, config.data.eval_fraction, config.run.seed)
     train_examples, eval_examples = [DPOExample(p) for p in train_pairs], [DPOExample(p) for p in eval_pairs]
     policy = load_policy(replace(config.model, device=str(accelerator.device)))
-    task = DPOTask(policy, None, tokenizer.pad_token_id, config)
+    task = DPOTask(None, tokenizer.pad_token_id, config)
     if config.reference == "precompute":
         if config.reference_path:  # a separate model, loaded for the pass and dropped after it
             task.reference = build_reference(config, policy, accelerator.device)

@@ -39,8 +39,11 @@ class Task(Protocol):
     def count(self, batch) -> int:
         """Loss units in ``batch`` (tokens, pairs, rankings): the denominator of the step's mean."""
 
-    def loss(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(Σ of the per-unit losses over the batch, {metric: sum}) — sums, so micro-batches add up."""
+    def loss(self, model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(Σ of the per-unit losses over the batch, {metric: sum}) — sums, so micro-batches add up.
+
+        ``model`` is the trained model as accelerate prepared it (DDP/FSDP-wrapped): the forward must go
+        through the wrapper, or data-parallel gradients are never synchronised."""
 
     def finalize(self, sums: dict[str, float], count: int) -> dict[str, float]:
         """Metrics of a step or an evaluation from the summed values."""
@@ -76,7 +79,10 @@ def split_train_eval(examples: list, eval_fraction: float, seed: int) -> tuple[l
 def build_accelerator(run: RunConfig):
     from accelerate import Accelerator
 
-    return Accelerator(mixed_precision=run.mixed_precision, step_scheduler_with_optimizer=False)
+    # cpu=True on a machine without a GPU is what lets accelerate run several CPU processes (gloo) under torchrun
+    return Accelerator(
+        mixed_precision=run.mixed_precision, step_scheduler_with_optimizer=False, cpu=not torch.cuda.is_available()
+    )
 
 
 def build_optimizer(params, optim: OptimConfig, total_steps: int):
@@ -175,7 +181,7 @@ def run_offline(
             for i in range(0, len(mine), micro):
                 batch = task.collate(mine[i : i + micro])
                 count += task.count(batch)
-                _, batch_sums = task.loss(batch.to(device))
+                _, batch_sums = task.loss(model, batch.to(device))
                 for k, v in batch_sums.items():
                     sums[k] = sums.get(k, 0.0) + v.detach()
         model.train()
@@ -198,7 +204,7 @@ def run_offline(
         for k, batch in enumerate(batches):
             sync = contextlib.nullcontext() if k == len(batches) - 1 else accelerator.no_sync(model)
             with sync:
-                loss_sum, batch_sums = task.loss(batch.to(device))
+                loss_sum, batch_sums = task.loss(model, batch.to(device))
                 accelerator.backward(loss_sum * world / global_count)
             tokens += batch.num_tokens
             for name, value in batch_sums.items():
@@ -240,7 +246,13 @@ def run_offline(
         logger.log(total_steps, eval_metrics)
     logger.close()
     save_final(accelerator, run.output_dir, saved, tokenizer)
-    return {"final_metrics": metrics, "eval_metrics": eval_metrics, "output_dir": run.output_dir, "steps": total_steps}
+    return {
+        "final_metrics": metrics,
+        "eval_metrics": eval_metrics,
+        "output_dir": run.output_dir,
+        "steps": total_steps,
+        "processes": world,
+    }
 
 
 def save_final(accelerator, output_dir, models: dict, tokenizer) -> None:

@@ -86,8 +86,8 @@ class RankingBatch:
 
 
 class RMTask:
-    def __init__(self, model, pad_id: int, margin: float, center_coef: float):
-        self.model, self.pad_id, self.margin, self.center_coef = model, pad_id, margin, center_coef
+    def __init__(self, pad_id: int, margin: float, center_coef: float):
+        self.pad_id, self.margin, self.center_coef = pad_id, margin, center_coef
 
     def collate(self, examples: list[RankingExample]) -> RankingBatch:
         pairs = [(e.prompt_ids, r) for e in examples for r in e.response_ids]
@@ -96,8 +96,8 @@ class RMTask:
     def count(self, batch: RankingBatch) -> int:
         return len(batch.ks)
 
-    def loss(self, batch: RankingBatch):
-        scores = sequence_scores(self.model, batch.sequences.input_ids, batch.sequences.attention_mask)
+    def loss(self, model, batch: RankingBatch):
+        scores = sequence_scores(model, batch.sequences.input_ids, batch.sequences.attention_mask)
         loss_sum = scores.new_zeros(())
         sums = {k: scores.new_zeros(()) for k in ("correct", "pairs", "margin", "score", "score_sq", "responses")}
         for ranking in torch.split(scores, batch.ks):  # rankings may differ in K
@@ -149,7 +149,7 @@ def train(config: RMConfig, callbacks=()) -> dict:
     accelerator.print(f"[rm] data: {report.summary()}")
     train_examples, eval_examples = split_train_eval(examples, config.data.eval_fraction, config.run.seed)
     model = load_scalar_model(replace(config.model, device="cpu"), "reward")
-    task = RMTask(model, tokenizer.pad_token_id, config.margin, config.center_coef)
+    task = RMTask(tokenizer.pad_token_id, config.margin, config.center_coef)
     result = run_offline(
         task,
         Trainable(model, {"reward": model}),

@@ -46,8 +46,8 @@ class SFTConfig:
 
 
 class SFTTask:
-    def __init__(self, model, pad_id: int, packed: bool):
-        self.model, self.pad_id, self.packed = model, pad_id, packed
+    def __init__(self, pad_id: int, packed: bool):
+        self.pad_id, self.packed = pad_id, packed
 
     def collate(self, examples) -> SequenceBatch:
         return collate_packed(examples, self.pad_id) if self.packed else collate_sft(examples, self.pad_id)
@@ -55,8 +55,8 @@ class SFTTask:
     def count(self, batch: SequenceBatch) -> int:
         return int(batch.completion_mask.sum())
 
-    def loss(self, batch: SequenceBatch):
-        logprobs = sequence_logprobs(self.model, batch.input_ids, batch.attention_mask, position_ids=batch.position_ids)
+    def loss(self, model, batch: SequenceBatch):
+        logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, position_ids=batch.position_ids)
         nll_sum = -masked_sum(logprobs, batch.completion_mask)
         return nll_sum, {"nll_sum": nll_sum}
 
@@ -80,7 +80,7 @@ def train(config: SFTConfig, callbacks=()) -> dict:
         accelerator.print(f"[sft] packing: {len(examples)} examples into {len(train_examples)} training rows")
     model_config = _on_cpu(config.model)
     policy = load_policy(model_config)
-    task = SFTTask(policy, tokenizer.pad_token_id, config.packing)
+    task = SFTTask(tokenizer.pad_token_id, config.packing)
     result = run_offline(
         task,
         Trainable(policy, {"policy": policy}),
