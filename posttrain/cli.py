@@ -22,6 +22,8 @@ TRAINERS = {
     "sft": ("posttrain.trainers.sft", "SFTConfig", "supervised fine-tuning on completion tokens"),
     "rm": ("posttrain.trainers.rm", "RMConfig", "reward model from preference pairs or K-way rankings"),
     "dpo": ("posttrain.trainers.dpo", "DPOConfig", "direct preference optimization"),
+    "ppo": ("posttrain.trainers.ppo", "PPOConfig", "RLHF-PPO: policy, reference, reward model and critic"),
+    "grpo": ("posttrain.trainers.grpo", "GRPOConfig", "GRPO and its variants (DAPO, Dr. GRPO, RLOO, REINFORCE++)"),
 }
 
 

@@ -16,12 +16,13 @@ mask is 0 may hold anything, NaN and inf included: every function here selects w
 """
 
 from posttrain.core.advantages import gae, group_advantages, rloo_advantages, shape_rewards
-from posttrain.core.kl import KL_ESTIMATORS, kl_penalty
+from posttrain.core.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_penalty
 from posttrain.core.logprobs import entropy_from_logits, token_logprobs
 from posttrain.core.losses import (
     AGGREGATION_MODES,
     DPO_KINDS,
     aggregate_loss,
+    aggregation_units,
     dpo_loss,
     ppo_policy_loss,
     ranking_loss,
@@ -42,7 +43,9 @@ __all__ = [
     "AGGREGATION_MODES",
     "DPO_KINDS",
     "KL_ESTIMATORS",
+    "adaptive_kl_coef",
     "aggregate_loss",
+    "aggregation_units",
     "dpo_loss",
     "entropy_from_logits",
     "gae",

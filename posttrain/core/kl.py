@@ -32,3 +32,15 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         # expm1 keeps exp(−d) − 1 exact near d = 0, where the policies almost agree
         return torch.expm1(-d) + d
     raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def adaptive_kl_coef(kl_coef: float, kl: float, target: float, horizon: float, n_steps: int) -> float:
+    """Adaptive KL controller (Ziegler et al. 2019, §2.2):
+
+        e = clip(KL / KL_target − 1, −0.2, 0.2),      β ← β · (1 + e · n_steps / horizon)
+
+    kl: the observed KL per sequence (mean over the batch); n_steps: sequences in the batch. β grows
+    when the policy strays past the target and shrinks when it stays closer.
+    """
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * n_steps / horizon)

@@ -45,6 +45,25 @@ def aggregate_loss(
     raise ValueError(f"loss aggregation mode must be one of {AGGREGATION_MODES}, got {mode!r}")
 
 
+def aggregation_units(mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """What ``aggregate_loss(·, mask, mode)`` divides by, counted so that micro-batches add up:
+
+        token-mean: valid tokens;   seq-mean-*: rows with a valid token;   seq-mean-token-sum-norm: rows
+
+    A micro-batch's aggregate times its units, divided by the units of the whole batch, summed over the
+    micro-batches, equals the aggregate of the whole batch (for seq-mean-token-sum-norm when every
+    micro-batch uses the same ``norm_length``). mask: [B, T]. Returns a scalar (float).
+    """
+    mask = mask.bool()
+    if mode == "token-mean":
+        return mask.sum().float()
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return mask.any(dim=-1).sum().float()
+    if mode == "seq-mean-token-sum-norm":
+        return torch.tensor(float(mask.shape[0]), device=mask.device)
+    raise ValueError(f"loss aggregation mode must be one of {AGGREGATION_MODES}, got {mode!r}")
+
+
 def ppo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -56,6 +75,7 @@ def ppo_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    norm_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise, per token:
 
@@ -68,9 +88,9 @@ def ppo_policy_loss(
 
     logprobs: [B, T] under the policy being trained (with grad); old_logprobs: [B, T] under the
     policy that sampled; advantages: [B] (one per response, GRPO) or [B, T] (per token, PPO);
-    mask: [B, T], 1 = response token that trains.
+    mask: [B, T], 1 = response token that trains; norm_length: L of ``seq-mean-token-sum-norm``.
     Returns (loss, stats); stats are detached scalars: clipfrac (share of valid tokens on the clipped
-    branch), approx_kl (masked mean of k3 between old and new), ratio_mean, ratio_max, pg_loss, and
+    branch), approx_kl (masked mean of k3 between old and new), ratio_mean, ratio_max, ratio_min, pg_loss, and
     kl (masked mean of the KL term) when ``ref_logprobs`` is given.
     """
     mask = mask.bool()
@@ -86,7 +106,7 @@ def ppo_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    pg_loss = aggregate_loss(per_token, mask, agg)
+    pg_loss = aggregate_loss(per_token, mask, agg, norm_length)
 
     stats = {
         "pg_loss": pg_loss.detach(),
@@ -94,12 +114,13 @@ def ppo_policy_loss(
         "approx_kl": masked_mean(kl_penalty(logprobs, old_logprobs, "k3"), mask).detach(),
         "ratio_mean": masked_mean(ratio, mask).detach(),
         "ratio_max": torch.where(mask.any(), torch.where(mask, ratio, -torch.inf).max(), 0.0).detach(),
+        "ratio_min": torch.where(mask.any(), torch.where(mask, ratio, torch.inf).min(), 0.0).detach(),
     }
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, zero_masked(ref_logprobs, mask), kl_estimator)
         per_token = per_token + kl_coef * kl
         stats["kl"] = masked_mean(kl, mask).detach()
-        return aggregate_loss(per_token, mask, agg), stats
+        return aggregate_loss(per_token, mask, agg, norm_length), stats
     return pg_loss, stats
 
 

@@ -1,6 +1,7 @@
 """Small synthetic tasks, deterministic from a seed, for tests, the demo and the examples.
 
-- ``arithmetic_sft``: ``{"prompt": "12+34=", "completion": "46"}`` with a verifiable ``answer`` column.
+- ``arithmetic_sft``: ``{"prompt": "12+34=", "completion": "46"}`` with a verifiable ``answer`` column,
+  optionally from a noisy demonstrator (some completions off by one).
 - ``vowel_rankings``: K random letter strings ranked by how many vowels they hold (more is better): a
   preference a tiny reward model can learn, with a true score to check it against.
 - ``vowel_pairs``: the same as preference pairs (the best and the worst of each ranking).
@@ -14,12 +15,16 @@ import string
 VOWELS = set("aeiou")
 
 
-def arithmetic_sft(n: int, seed: int = 0, low: int = 10, high: int = 49) -> list[dict]:
+def arithmetic_sft(n: int, seed: int = 0, low: int = 10, high: int = 49, noise: float = 0.0) -> list[dict]:
+    """Sums of two numbers in [low, high]. With probability ``noise`` the demonstrated completion is
+    off by one (a noisy demonstrator); the ``answer`` column always holds the true sum, so a
+    verifiable reward can tell the two apart and RL can remove what SFT copied."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         a, b = rng.randint(low, high), rng.randint(low, high)
-        rows.append({"prompt": f"{a}+{b}=", "completion": str(a + b), "answer": str(a + b)})
+        shown = a + b + (1 if rng.random() < noise else 0)
+        rows.append({"prompt": f"{a}+{b}=", "completion": str(shown), "answer": str(a + b)})
     return rows
 
 

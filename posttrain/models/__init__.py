@@ -10,6 +10,7 @@ from posttrain.models.loading import (
 )
 from posttrain.models.roles import (
     CRITIC_INITS,
+    PolicyWithValueHead,
     Reference,
     is_peft_model,
     load_critic,
@@ -24,6 +25,7 @@ from posttrain.models.roles import (
 __all__ = [
     "CRITIC_INITS",
     "ModelConfig",
+    "PolicyWithValueHead",
     "Reference",
     "disable_dropout",
     "is_peft_adapter",

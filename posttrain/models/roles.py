@@ -58,16 +58,20 @@ def response_logprobs(
     response_length: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(y_t | x, y_<t) of the last ``response_length`` tokens of each row, with logits / τ.
 
     input_ids, attention_mask: [B, L] (prompt then response); returns (logprobs [B, T], entropy [B, T]
     or None), T = response_length. Only the logits of the response positions are computed; the token
-    at position P + t is scored by the logits at position P + t − 1.
+    at position P + t is scored by the logits at position P + t − 1. The entropy is a detached metric
+    unless ``entropy_grad`` (an entropy bonus in the loss).
     """
     logits = _logits(model, input_ids, attention_mask, response_length + 1)[:, :-1]  # [B, T, V]
     logprobs = token_logprobs(logits, input_ids[:, -response_length:], temperature=temperature)
-    entropy = entropy_from_logits(logits, temperature=temperature) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
     return logprobs, entropy
 
 
@@ -280,3 +284,54 @@ def load_critic(init_from: str, policy: ModelConfig, reward: ModelConfig | None 
     config = copy.copy(source)
     config.lora = None
     return load_scalar_model(config, "value")
+
+
+class PolicyWithValueHead(nn.Module):
+    """A causal LM and a one-output value head on its last hidden state: policy and critic share the
+    backbone (one forward pass gives both). The head starts at zero output (weight and bias 0), so
+    the first values are 0 and GAE starts from the plain reward-to-go. Saved as the policy's own
+    Hugging Face checkpoint plus ``value_head.safetensors`` beside it.
+    """
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+        hidden = policy.config.get_text_config().hidden_size
+        self.v_head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.v_head.weight)
+        nn.init.zeros_(self.v_head.bias)
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        response_length: int,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
+    ):
+        """(logprobs [B, T], values [B, T], entropy [B, T] or None) of the response tokens."""
+        out = self.policy(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            output_hidden_states=True,
+        )
+        logits = out.logits[:, -response_length - 1 : -1]
+        logprobs = token_logprobs(logits, input_ids[:, -response_length:], temperature=temperature)
+        hidden = out.hidden_states[-1][:, -response_length - 1 : -1]
+        values = self.v_head(hidden.to(self.v_head.weight.dtype)).squeeze(-1).float()
+        entropy = None
+        if with_entropy:
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
+        return logprobs, values, entropy
+
+    def save_pretrained(self, path, state_dict: dict | None = None, **kwargs) -> None:
+        from safetensors.torch import save_file
+
+        state_dict = self.state_dict() if state_dict is None else state_dict
+        policy_state = {k.removeprefix("policy."): v for k, v in state_dict.items() if k.startswith("policy.")}
+        self.policy.save_pretrained(path, state_dict=policy_state, **kwargs)
+        head = {k.removeprefix("v_head."): v.contiguous() for k, v in state_dict.items() if k.startswith("v_head.")}
+        save_file(head, str(Path(path) / "value_head.safetensors"))

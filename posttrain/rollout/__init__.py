@@ -1,6 +1,13 @@
 """posttrain.rollout: sampling responses from the policy (Hugging Face generate; vLLM on GPUs)."""
 
-from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams, left_pad, response_mask_from_ends
+from posttrain.rollout.base import (
+    Rollout,
+    RolloutEngine,
+    SamplingParams,
+    concat_rollouts,
+    left_pad,
+    response_mask_from_ends,
+)
 from posttrain.rollout.hf import HFEngine, eos_token_ids
 
 __all__ = [
@@ -8,6 +15,7 @@ __all__ = [
     "Rollout",
     "RolloutEngine",
     "SamplingParams",
+    "concat_rollouts",
     "eos_token_ids",
     "left_pad",
     "response_mask_from_ends",

@@ -87,6 +87,55 @@ class Rollout:
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 
+    def select(self, rows: list[int]) -> Rollout:
+        """The rows ``rows`` (in that order), every field sliced alike."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.response_ids.device)
+        return Rollout(
+            prompt_ids=self.prompt_ids[index],
+            prompt_mask=self.prompt_mask[index],
+            response_ids=self.response_ids[index],
+            response_mask=self.response_mask[index],
+            logprobs=None if self.logprobs is None else self.logprobs[index],
+            truncated=self.truncated[index],
+            prompt_index=self.prompt_index[index],
+            prompts=[self.prompts[i] for i in rows],
+            responses=[self.responses[i] for i in rows],
+            group_size=self.group_size,
+            temperature=self.temperature,
+        )
+
+
+def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """One rollout from several: prompts re-padded on the left, responses on the right."""
+    if len({r.group_size for r in rollouts}) != 1 or len({r.temperature for r in rollouts}) != 1:
+        raise ValueError("only rollouts with the same group size and temperature can be joined")
+    P = max(r.prompt_ids.shape[1] for r in rollouts)
+    T = max(r.response_ids.shape[1] for r in rollouts)
+
+    def pad(t: torch.Tensor, length: int, value, left: bool) -> torch.Tensor:
+        extra = length - t.shape[1]
+        fill = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
+        return torch.cat([fill, t] if left else [t, fill], dim=1)
+
+    offsets, total = [], 0
+    for r in rollouts:
+        offsets.append(total)
+        total += int(r.prompt_index.max()) + 1 if len(r) else 0
+    has_logprobs = all(r.logprobs is not None for r in rollouts)
+    return Rollout(
+        prompt_ids=torch.cat([pad(r.prompt_ids, P, pad_id, True) for r in rollouts]),
+        prompt_mask=torch.cat([pad(r.prompt_mask, P, 0, True) for r in rollouts]),
+        response_ids=torch.cat([pad(r.response_ids, T, pad_id, False) for r in rollouts]),
+        response_mask=torch.cat([pad(r.response_mask, T, 0, False) for r in rollouts]),
+        logprobs=torch.cat([pad(r.logprobs, T, 0.0, False) for r in rollouts]) if has_logprobs else None,
+        truncated=torch.cat([r.truncated for r in rollouts]),
+        prompt_index=torch.cat([r.prompt_index + o for r, o in zip(rollouts, offsets, strict=True)]),
+        prompts=[p for r in rollouts for p in r.prompts],
+        responses=[x for r in rollouts for x in r.responses],
+        group_size=rollouts[0].group_size,
+        temperature=rollouts[0].temperature,
+    )
+
 
 class RolloutEngine(Protocol):
     """Samples ``n`` responses to each prompt. Prompts are token-id lists (already templated)."""

@@ -226,9 +226,20 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] = ()):
         data = loaded
     for assignment in overrides:
         apply_override(data, cls, assignment)
+    presets = getattr(cls, "PRESETS", None)
+    if presets is not None and data.get("preset", "none") != "none":
+        check_choice("preset", data["preset"], ["none", *presets])
+        data = _merge(presets[data["preset"]], data)  # the preset's knobs, under what the user set
     config = from_dict(cls, data)
     config.validate()
     return config
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def field_docs(cls) -> dict[str, str]:

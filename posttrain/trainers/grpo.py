@@ -1,0 +1,518 @@
+"""Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath §4.1) and its modern variants.
+
+Per step, for P prompts:
+  1. sample G responses per prompt, keeping their sampling log-probs (the "old" policy);
+  2. score every response with the weighted reward functions (None = not applicable, never 0);
+     optionally DAPO's overlong soft penalty; optionally drop groups whose rewards are all equal and
+     sample more prompts (DAPO dynamic sampling);
+  3. reference log-probs (only when kl_coef > 0) and the per-token KL;
+  4. advantages: GRPO (r − mean_g) / std (scale group | batch | none = Dr. GRPO), RLOO, or REINFORCE++
+     (token rewards with KL, reward-to-go, batch-whitened);
+  5. μ = ``num_iterations`` passes over ``minibatches`` minibatches: PPO-clipped surrogate with the
+     advantage shared by every token of a response (clip-higher when clip_high > clip_low), KL to the
+     reference in the loss (k3, DeepSeekMath) or in the reward (k1), reduced by ``loss_agg``;
+  6. log; checkpoint.
+
+Departures from the paper: the loss reduction is a named choice (``loss_agg``) because the paper's
+per-sequence length normalisation biases the objective (Liu et al. 2025); presets set the knobs of
+GRPO, DAPO and Dr. GRPO at once and are printed at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from posttrain.core import (
+    AGGREGATION_MODES,
+    KL_ESTIMATORS,
+    aggregation_units,
+    gae,
+    group_advantages,
+    kl_penalty,
+    ppo_policy_loss,
+    rloo_advantages,
+    shape_rewards,
+)
+from posttrain.data import DataConfig, load_prompts
+from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
+from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty
+from posttrain.rollout import HFEngine, Rollout, SamplingParams, concat_rollouts
+from posttrain.trainers.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, to_dict
+from posttrain.trainers.loop import build_accelerator, build_optimizer, save_final, write_resolved_config
+from posttrain.trainers.metrics import MetricsLogger
+from posttrain.trainers.online import (
+    PhaseTimer,
+    PromptSampler,
+    StatsAccumulator,
+    advantage_metrics,
+    gather_whiten,
+    global_min,
+    global_sum,
+    kl_metrics,
+    micro_slices,
+    policy_logprobs,
+    reference_logprobs,
+    response_metrics,
+    sample,
+)
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
+REWARD_SCALES = ("group", "batch", "none")
+KL_PLACEMENTS = ("loss", "reward")
+
+
+@dataclass
+class GRPOConfig:
+    """posttrain grpo. ``run.batch_size`` counts completions per step (prompts × num_generations)."""
+
+    PRESETS = {
+        "grpo": {
+            "loss_agg": "seq-mean-token-mean",
+            "clip_low": 0.2,
+            "clip_high": 0.2,
+            "scale_rewards": "group",
+            "advantage_estimator": "grpo",
+            "kl_in": "loss",
+            "kl_estimator": "k3",
+        },
+        "dapo": {
+            "loss_agg": "token-mean",
+            "clip_low": 0.2,
+            "clip_high": 0.28,
+            "scale_rewards": "group",
+            "advantage_estimator": "grpo",
+            "dynamic_sampling": True,
+            "overlong_buffer_fraction": 0.2,
+            "kl_coef": 0.0,
+        },
+        "dr_grpo": {
+            "loss_agg": "seq-mean-token-sum-norm",
+            "clip_low": 0.2,
+            "clip_high": 0.2,
+            "scale_rewards": "none",
+            "advantage_estimator": "grpo",
+        },
+    }
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy, usually an SFT model (``model.lora`` for LoRA: the reference is then the adapter-off model)."""
+    data: DataConfig = field(default_factory=lambda: DataConfig(max_length=None, max_prompt_length=512))
+    """Prompt rows {"prompt", ...}; the other columns go to the reward functions."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, scheduler="constant"))
+    """Optimizer and schedule."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Steps (rollout batches), completions per step (batch_size), micro_batch_size, logging, checkpoints."""
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=256, temperature=1.0))
+    """How responses are sampled."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Reward functions and weights: [{function: module:function, weight: 1.0, kwargs: {...}}]."""
+    num_generations: int = 8
+    """G: responses sampled per prompt."""
+    advantage_estimator: str = "grpo"
+    """grpo (group-normalised), rloo (leave-one-out) or reinforce++ (batch-whitened reward-to-go)."""
+    scale_rewards: str = "group"
+    """GRPO's divisor: group std, batch std, or none (Dr. GRPO)."""
+    kl_coef: float = 0.04
+    """β of the KL to the reference; 0 loads no reference at all."""
+    kl_estimator: str = "k3"
+    """KL estimator in the loss: k1, k2 or k3 (with kl_in=reward k1 is used, per token)."""
+    kl_in: str = "loss"
+    """Where the KL goes: loss (DeepSeekMath) or reward (per-token k1, RLHF-style)."""
+    loss_agg: str = "seq-mean-token-mean"
+    """Loss reduction: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
+    clip_low: float = 0.2
+    """ε_low: the ratio is clipped below at 1 − clip_low."""
+    clip_high: float | None = None
+    """ε_high: clipped above at 1 + clip_high (null = clip_low; DAPO uses 0.28)."""
+    num_iterations: int = 1
+    """μ: updates per rollout (old log-probs are the sampling ones)."""
+    minibatches: int = 1
+    """Optimizer steps per iteration: the rollout batch is split into this many shuffled minibatches."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and sample more prompts to fill the batch (DAPO)."""
+    max_sampling_tries: int = 4
+    """Rollout rounds per step with dynamic sampling before training on what was kept."""
+    mask_truncated: bool = False
+    """Leave responses that hit max_new_tokens without EOS out of the loss."""
+    overlong_buffer_fraction: float = 0.0
+    """DAPO overlong soft penalty: buffer = this × max_new_tokens (0 = off)."""
+    overlong_penalty_weight: float = 1.0
+    """Weight of the overlong penalty in the reward."""
+    reference: str = "auto"
+    """auto (adapter-off for LoRA, else a frozen copy), copy or adapter."""
+    preset: str = "none"
+    """grpo, dapo or dr_grpo: sets several knobs at once (printed at start); explicit settings win."""
+
+    def validate(self) -> None:
+        self.model.validate("model")
+        self.data.validate("data")
+        self.optim.validate("optim")
+        self.run.validate("run")
+        self.sampling.validate("sampling")
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward function is needed ({function: module:function})")
+        for i, spec in enumerate(self.rewards):
+            spec.validate(f"rewards[{i}]")
+        check_choice("preset", self.preset, ["none", *self.PRESETS])
+        check_choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+        check_choice("scale_rewards", self.scale_rewards, REWARD_SCALES)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("kl_in", self.kl_in, KL_PLACEMENTS)
+        check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
+        check_choice("reference", self.reference, ("auto", "copy", "adapter"))
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2 (a group needs two responses), got {self.num_generations}")
+        if self.run.batch_size % self.num_generations:
+            raise ValueError(
+                f"run.batch_size={self.run.batch_size} must be a multiple of num_generations={self.num_generations}"
+            )
+        for key in ("num_iterations", "minibatches", "max_sampling_tries"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if not 0 <= self.overlong_buffer_fraction <= 1:
+            raise ValueError(f"overlong_buffer_fraction must be in [0, 1], got {self.overlong_buffer_fraction}")
+        if not 0 < self.clip_low < 1 or (self.clip_high is not None and self.clip_high <= 0):
+            raise ValueError("clip_low must be in (0, 1) and clip_high > 0")
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.run.batch_size // self.num_generations
+
+    def preset_report(self) -> str:
+        """The knobs the preset sets and the values in force (an explicit setting wins over the preset)."""
+        if self.preset == "none":
+            return "preset: none"
+        parts = []
+        for key, value in self.PRESETS[self.preset].items():
+            actual = getattr(self, key)
+            parts.append(f"{key}={actual}" + ("" if actual == value else f" (preset {value}, overridden)"))
+        return f"preset {self.preset}: " + ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _scores_with_missing(total: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows no reward function scored get their group's mean (advantage 0) and are left out of the loss."""
+    applicable = ~torch.isnan(total)
+    grouped = total.view(-1, group_size)
+    valid = applicable.view(-1, group_size)
+    means = torch.where(valid, grouped, 0.0).sum(1, keepdim=True) / valid.sum(1, keepdim=True).clamp(min=1)
+    return torch.where(valid, grouped, means).reshape(-1), applicable
+
+
+def _constant_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    grouped = scores.view(-1, group_size)
+    return grouped.amax(1) == grouped.amin(1)  # [P]
+
+
+class GRPOTrainer:
+    """Holds the models and state of a GRPO run; ``train()`` runs the loop of the module docstring."""
+
+    def __init__(self, config: GRPOConfig):
+        config.validate()
+        self.config = config
+        self.accelerator = build_accelerator(config.run)
+        torch.manual_seed(config.run.seed)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+        self.prompts, report = load_prompts(config.data, self.tokenizer)
+        self.accelerator.print(f"[grpo] prompts: {report.summary()}")
+        self.accelerator.print(f"[grpo] {config.preset_report()}")
+        world = self.accelerator.num_processes
+        if config.prompts_per_step % world:
+            raise ValueError(f"prompts per step ({config.prompts_per_step}) must split evenly over {world} processes")
+        self.local_prompts = config.prompts_per_step // world
+        self.rewards = RewardComposer.from_specs(config.rewards)
+
+        policy = load_policy(replace(config.model, device="cpu"))
+        self.reference = None
+        if config.kl_coef > 0:  # kl_coef = 0 loads no reference at all
+            self.reference = Reference.from_policy(policy, share=config.reference)
+        self.total_steps = config.run.max_steps or max(
+            1, math.ceil(config.run.epochs * len(self.prompts) / config.prompts_per_step)
+        )
+        updates = self.total_steps * config.num_iterations * config.minibatches
+        optimizer, self.scheduler = build_optimizer(
+            [p for p in policy.parameters() if p.requires_grad], config.optim, updates
+        )
+        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
+        self.accelerator.register_for_checkpointing(self.scheduler)
+        if self.reference is not None and self.reference.model is not None:
+            self.reference.model.to(self.accelerator.device)
+        self.engine = HFEngine(self.accelerator.unwrap_model(self.model), self.tokenizer)
+        self.sampler = PromptSampler(len(self.prompts), config.run.seed)
+        self.passes = {"old_logprobs": 0, "reference": 0, "policy_train": 0}
+
+    # -- 1-2. rollout and rewards ---------------------------------------------------------------
+
+    def _take(self, k: int) -> list:
+        """k prompts for this process; every process advances the shared cursor alike."""
+        acc = self.accelerator
+        indices = self.sampler.take(k * acc.num_processes)
+        return [self.prompts[i] for i in indices[acc.process_index * k : (acc.process_index + 1) * k]]
+
+    def _score(self, rollout: Rollout, columns: dict) -> tuple[torch.Tensor, dict]:
+        out = self.rewards(rollout.prompts, rollout.responses, columns)
+        cfg = self.config
+        scores = out.total
+        if cfg.overlong_buffer_fraction > 0:
+            buffer = max(1, round(cfg.overlong_buffer_fraction * cfg.sampling.max_new_tokens))
+            penalty = torch.tensor(
+                [overlong_penalty(int(n), cfg.sampling.max_new_tokens, buffer) for n in rollout.response_lengths]
+            )
+            scores = scores + cfg.overlong_penalty_weight * penalty
+            out.components["overlong_penalty"] = penalty.tolist()
+        return scores, out.components
+
+    def rollout_and_score(self, timer: PhaseTimer):
+        """Steps 1–2, with dynamic sampling when configured. Returns (rollout, scores, applicable, metrics)."""
+        cfg, G = self.config, self.config.num_generations
+        kept, kept_scores, components = [], [], {}
+        sampled_groups = constant_groups = 0
+        target, tries = self.local_prompts, 0
+        while True:
+            needed = target - sum(len(r) for r in kept) // G
+            need_all = -global_min(self.accelerator, -needed)  # the largest need of any process
+            if need_all <= 0 or tries >= (cfg.max_sampling_tries if cfg.dynamic_sampling else 1):
+                break
+            tries += 1
+            with timer("generate"):
+                rollout, columns = sample(self.engine, self._take(need_all), cfg.sampling, G)
+            with timer("reward"):
+                scores, parts = self._score(rollout, columns)
+            filled, _ = _scores_with_missing(scores, G)
+            constant = _constant_groups(filled, G)
+            sampled_groups += len(constant)
+            constant_groups += int(constant.sum())
+            keep_groups = (
+                (~constant).nonzero().flatten().tolist() if cfg.dynamic_sampling else list(range(len(constant)))
+            )
+            rows = [g * G + j for g in keep_groups for j in range(G)]
+            kept.append(rollout.select(rows))
+            kept_scores.append(scores[rows])
+            for name, values in parts.items():
+                components.setdefault(name, []).extend(values[i] for i in rows)
+        # every process trains on the same number of groups (equal micro-batch counts under DDP)
+        groups = global_min(self.accelerator, min(sum(len(r) for r in kept) // G, target))
+        metrics = {
+            "groups/zero_variance_share": global_sum(self.accelerator, constant_groups)
+            / max(global_sum(self.accelerator, sampled_groups), 1.0),
+            "groups/sampled": global_sum(self.accelerator, sampled_groups),
+            "groups/trained": groups * self.accelerator.num_processes,
+            "groups/dropped": global_sum(self.accelerator, sampled_groups) - groups * self.accelerator.num_processes,
+            "sampling_tries": tries,
+        }
+        if groups == 0:
+            return None, None, None, metrics
+        rollout = concat_rollouts(kept, self.tokenizer.pad_token_id).select(list(range(groups * G)))
+        scores = torch.cat(kept_scores)[: groups * G]
+        for name, values in components.items():
+            scored = [v for v in values[: groups * G] if v is not None]
+            metrics[f"reward/{name}/mean"] = sum(scored) / len(scored) if scored else math.nan
+        scores, applicable = _scores_with_missing(scores, G)
+        return rollout, scores, applicable, metrics
+
+    # -- 4. advantages ----------------------------------------------------------------------------
+
+    def advantages(self, scores: torch.Tensor, kl: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """[B] (grpo, rloo) or [B, T] (reinforce++) advantages from the sequence scores."""
+        cfg, acc, G = self.config, self.accelerator, self.config.num_generations
+        kl_reward = cfg.kl_in == "reward" and kl is not None
+        if cfg.advantage_estimator == "reinforce++":
+            token_rewards = shape_rewards(
+                scores,
+                kl if kl_reward else torch.zeros_like(mask, dtype=scores.dtype),
+                mask,
+                cfg.kl_coef if kl_reward else 0.0,
+            )
+            returns, _ = gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma=1.0, lam=1.0)
+            return gather_whiten(acc, returns, mask)
+        if kl_reward:
+            scores = scores - cfg.kl_coef * torch.where(mask.bool(), kl, 0.0).sum(-1)
+        if cfg.advantage_estimator == "rloo":
+            return rloo_advantages(scores, G)
+        # group statistics need the whole batch only for scale=batch; gather keeps groups whole
+        all_scores = acc.gather(scores) if acc.num_processes > 1 else scores
+        start = acc.process_index * len(scores)
+        return group_advantages(all_scores, G, scale=cfg.scale_rewards)[start : start + len(scores)]
+
+    # -- 5. policy update ---------------------------------------------------------------------------
+
+    def update(self, step: int, rollout: Rollout, old_logprobs, ref_logprobs, advantages, mask) -> dict:
+        cfg, acc, device = self.config, self.accelerator, self.accelerator.device
+        world, B = acc.num_processes, len(rollout)
+        size = max(1, B // cfg.minibatches)
+        stats, first, entropy_sum, entropy_tokens = StatsAccumulator(), None, 0.0, 0.0
+        for iteration in range(cfg.num_iterations):
+            generator = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step * 1_009 + iteration)
+            order = torch.randperm(B, generator=generator) if cfg.minibatches > 1 else torch.arange(B)
+            for m in range(cfg.minibatches):
+                rows = order[m * size : (m + 1) * size].tolist()
+                sub = rollout.select(rows)
+                sub_mask, sub_adv, sub_old = mask[rows], advantages[rows], old_logprobs[rows]
+                sub_ref = None if ref_logprobs is None or cfg.kl_in != "loss" else ref_logprobs[rows]
+                units = global_sum(acc, aggregation_units(sub_mask, cfg.loss_agg))
+                minibatch = StatsAccumulator()
+                slices = micro_slices(len(rows), cfg.run.micro_batch_size)
+                for k, s in enumerate(slices):
+                    sync = contextlib.nullcontext() if k == len(slices) - 1 else acc.no_sync(self.model)
+                    with sync:
+                        logprobs, entropy = policy_logprobs(self.model, sub, s, device, with_entropy=iteration == 0)
+                        self.passes["policy_train"] += 1
+                        loss, loss_stats = ppo_policy_loss(
+                            logprobs,
+                            sub_old[s],
+                            sub_adv[s],
+                            sub_mask[s],
+                            cfg.clip_low,
+                            cfg.clip_high,
+                            cfg.loss_agg,
+                            sub_ref[s] if sub_ref is not None else None,
+                            cfg.kl_coef,
+                            cfg.kl_estimator,
+                            norm_length=cfg.sampling.max_new_tokens,
+                        )
+                        weight = float(aggregation_units(sub_mask[s], cfg.loss_agg)) * world / max(units, 1.0)
+                        acc.backward(loss * weight)
+                    minibatch.add({**loss_stats, "loss": loss.detach()}, weight)
+                    if entropy is not None:
+                        valid = sub_mask[s].bool()
+                        entropy_sum += float(torch.where(valid, entropy, 0.0).sum())
+                        entropy_tokens += float(valid.sum())
+                grad_norm = self._clip()
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                result = minibatch.result(acc)
+                if first is None:
+                    first = result
+                stats.add({k: v for k, v in result.items()}, 1.0)
+                stats.add({"grad_norm": torch.tensor(grad_norm)}, 1.0)
+        out = stats.result(acc, prefix="")
+        out = {("policy/" + k if k != "grad_norm" else k): v for k, v in out.items()}
+        out["policy/first_minibatch_ratio_max"] = first["ratio_max"]
+        out["policy/first_minibatch_ratio_min"] = first["ratio_min"]
+        out["policy/first_minibatch_clipfrac"] = first["clipfrac"]
+        out["entropy"] = global_sum(acc, entropy_sum) / max(global_sum(acc, entropy_tokens), 1.0)
+        return out
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.config.optim.max_grad_norm is None:
+            norms = [p.grad.detach().norm() for p in params if p.grad is not None]
+            return float(torch.stack(norms).norm()) if norms else 0.0
+        return float(self.accelerator.clip_grad_norm_(params, self.config.optim.max_grad_norm))
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    def train(self, callbacks=()) -> dict:
+        cfg, acc, device = self.config, self.accelerator, self.accelerator.device
+        start_step = 0
+        resume = resolve_resume(cfg.run.output_dir, cfg.run.resume_from)
+        if resume is not None:
+            state = load_checkpoint(acc, resume)
+            start_step, self.sampler.cursor = state["step"], state["prompt_cursor"]
+        if acc.is_main_process:
+            write_resolved_config(cfg.run.output_dir, cfg)
+        logger = MetricsLogger(
+            cfg.run.output_dir,
+            cfg.run.report_to,
+            to_dict(cfg),
+            enabled=acc.is_main_process,
+            progress_total=self.total_steps,
+            progress=cfg.run.progress,
+            run_name="grpo",
+        )
+        logger.advance(start_step)
+        metrics: dict = {}
+        for step in range(start_step, self.total_steps):
+            t0, timer = time.perf_counter(), PhaseTimer()
+            # 1-2. sample G responses per prompt and score them
+            rollout, scores, applicable, metrics = self.rollout_and_score(timer)
+            if rollout is None:  # dynamic sampling found no group with a signal
+                acc.print(f"[grpo] step {step + 1}: every sampled group had equal rewards; no update")
+                logger.log(step + 1, metrics)
+                logger.advance()
+                continue
+            scores, applicable = scores.to(device), applicable.to(device)
+            mask = rollout.response_mask.clone()
+            if cfg.mask_truncated:
+                mask[rollout.truncated] = 0
+            mask[~applicable] = 0
+            old_logprobs = rollout.logprobs
+            if old_logprobs is None:  # an engine without exact log-probs (vLLM): one forward pass
+                with timer("old_logprobs"), torch.no_grad():
+                    old_logprobs = torch.cat(
+                        [
+                            policy_logprobs(self.model, rollout, s, device)[0]
+                            for s in micro_slices(len(rollout), cfg.run.micro_batch_size)
+                        ]
+                    )
+                self.passes["old_logprobs"] += 1
+            # 3. reference log-probs and KL
+            ref_logprobs = kl = None
+            if self.reference is not None:
+                with timer("reference"):
+                    ref_logprobs = reference_logprobs(self.reference, rollout, cfg.run.micro_batch_size, device)
+                self.passes["reference"] += 1
+                kl = kl_penalty(old_logprobs, ref_logprobs, "k1" if cfg.kl_in == "reward" else cfg.kl_estimator)
+                metrics.update(kl_metrics(acc, kl, mask))
+            # 4. advantages
+            advantages = self.advantages(scores, kl, mask)
+            adv_tokens = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
+            metrics.update(advantage_metrics(acc, adv_tokens, mask))
+            # 5. μ iterations over minibatches of the clipped surrogate
+            with timer("train"):
+                metrics.update(self.update(step, rollout, old_logprobs, ref_logprobs, advantages, mask))
+            # 6. log and checkpoint
+            done = step + 1
+            seconds = time.perf_counter() - t0
+            valid_scores = scores[applicable]
+            metrics.update(response_metrics(acc, rollout))
+            metrics.update(timer.read())
+            metrics.update(
+                {
+                    "reward/mean": global_sum(acc, valid_scores.sum()) / max(global_sum(acc, len(valid_scores)), 1.0),
+                    "reward/std": float(acc.gather(scores).std()) if len(scores) > 1 else 0.0,
+                    "kl_coef": cfg.kl_coef,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "time/step": seconds,
+                    "tokens_per_s": metrics["tokens_generated"] / seconds,
+                    **{f"passes/{k}": v for k, v in self.passes.items()},
+                }
+            )
+            logger.log(done, metrics, ("reward/mean", "kl/per_token", "policy/clipfrac"))
+            logger.advance()
+            if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
+                save_checkpoint(
+                    acc,
+                    cfg.run.output_dir,
+                    done,
+                    {"policy": self.model},
+                    self.tokenizer,
+                    {"prompt_cursor": self.sampler.cursor},
+                    cfg.run.keep_last,
+                )
+            for callback in callbacks:
+                callback(done, metrics)
+        logger.close()
+        save_final(acc, cfg.run.output_dir, {"policy": self.model}, self.tokenizer)
+        return {
+            "final_metrics": metrics,
+            "steps": self.total_steps,
+            "output_dir": cfg.run.output_dir,
+            "processes": acc.num_processes,
+        }
+
+
+def train(config: GRPOConfig, callbacks=()) -> dict:
+    """Run GRPO; writes ``<run.output_dir>/final/policy``."""
+    return GRPOTrainer(config).train(callbacks)

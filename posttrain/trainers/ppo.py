@@ -1,0 +1,517 @@
+"""RLHF with PPO (Ziegler et al. 2019; Stiennon et al. 2020; Ouyang et al. 2022) with four roles: the
+trained policy, a frozen reference, a frozen reward model (or reward functions), and a trained critic.
+
+Per step:
+  1. sample responses to a batch of prompts, keeping the sampling log-probs (the "old" policy);
+  2. reference log-probs; reward-model score of prompt + response (read at the last response token);
+     optional penalty for responses without EOS; optional reward clipping;
+  3. per-token KL (default k1) and token rewards r_t = −β·KL_t, plus the score at the last token;
+  4. values V(s_t) from the critic; GAE advantages and returns; advantage whitening (optionally
+     reward whitening);
+  5. for ``ppo_epochs`` epochs over shuffled minibatches: clipped surrogate for the policy, clipped
+     value loss for the critic, optional entropy bonus; gradient clipping; separate learning rates;
+  6. log, and adapt β with the adaptive controller (target KL and horizon) when chosen.
+
+The critic starts from the reward model (default) or the policy, as a separate model; or it is a
+value head sharing the policy's backbone (``critic=shared``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from posttrain.core import (
+    AGGREGATION_MODES,
+    KL_ESTIMATORS,
+    adaptive_kl_coef,
+    aggregation_units,
+    gae,
+    kl_penalty,
+    masked_mean,
+    masked_var,
+    ppo_policy_loss,
+    shape_rewards,
+    value_loss,
+)
+from posttrain.data import DataConfig, load_prompts
+from posttrain.models import (
+    ModelConfig,
+    PolicyWithValueHead,
+    Reference,
+    load_critic,
+    load_policy,
+    load_reward_model,
+    load_tokenizer,
+    sequence_scores,
+    token_values,
+)
+from posttrain.rewards import RewardComposer, RewardSpec
+from posttrain.rollout import HFEngine, SamplingParams
+from posttrain.trainers.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, to_dict
+from posttrain.trainers.loop import build_accelerator, build_optimizer, save_final, write_resolved_config
+from posttrain.trainers.metrics import MetricsLogger
+from posttrain.trainers.online import (
+    PhaseTimer,
+    PromptSampler,
+    StatsAccumulator,
+    advantage_metrics,
+    gather_whiten,
+    global_sum,
+    kl_metrics,
+    micro_slices,
+    policy_logprobs,
+    reference_logprobs,
+    response_metrics,
+    sample,
+)
+
+CRITIC_MODES = ("reward", "policy", "shared")
+
+
+@dataclass
+class PPOConfig:
+    """posttrain ppo. ``run.batch_size`` counts responses per step (prompts × num_generations)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy, usually an SFT model (``model.lora``: LoRA, the reference is the adapter-off model)."""
+    reward_model: ModelConfig | None = None
+    """A frozen reward model (*ForSequenceClassification, num_labels=1) sharing the policy's tokenizer."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Reward functions added to the reward model's score: [{function: module:function, weight: 1.0}]."""
+    data: DataConfig = field(default_factory=lambda: DataConfig(max_length=None, max_prompt_length=512))
+    """Prompt rows {"prompt", ...}."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, scheduler="constant"))
+    """Policy optimizer and schedule."""
+    critic_lr: float | None = None
+    """Critic learning rate (separate critic); null = 10 × optim.lr."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Steps (rollout batches), responses per step (batch_size), micro_batch_size, logging, checkpoints."""
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=128, temperature=1.0))
+    """How responses are sampled."""
+    num_generations: int = 1
+    """Responses sampled per prompt."""
+    critic: str = "reward"
+    """reward (a separate critic initialised from the reward model), policy (from the policy), or shared
+    (a value head on the policy's backbone)."""
+    kl_coef: float = 0.05
+    """β of the per-token KL penalty in the reward (the initial value with the adaptive controller)."""
+    kl_estimator: str = "k1"
+    """Per-token KL estimator in the reward: k1, k2 or k3."""
+    adaptive_kl: bool = False
+    """Adapt β towards kl_target (Ziegler et al. 2019); false keeps it fixed."""
+    kl_target: float = 6.0
+    """Target KL per sequence of the adaptive controller."""
+    kl_horizon: float = 10000.0
+    """Horizon (in sequences) of the adaptive controller."""
+    gamma: float = 1.0
+    """Discount γ of GAE."""
+    lam: float = 0.95
+    """λ of GAE."""
+    ppo_epochs: int = 4
+    """Passes over each rollout batch."""
+    minibatches: int = 1
+    """Shuffled minibatches per epoch (one optimizer step each)."""
+    clip_low: float = 0.2
+    """ε of the policy ratio clip (lower side)."""
+    clip_high: float | None = None
+    """Upper side of the ratio clip; null = clip_low."""
+    vf_clip: float | None = 0.2
+    """Clip of the value update around the rollout's values; null = unclipped value loss."""
+    vf_coef: float = 0.1
+    """Weight of the value loss when critic=shared (one loss for both)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (0 = off)."""
+    loss_agg: str = "token-mean"
+    """Reduction of the policy and value losses."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the batch (all processes)."""
+    whiten_rewards: bool = False
+    """Whiten token rewards (scale only, mean kept) before GAE."""
+    missing_eos_penalty: float | None = None
+    """Subtracted from the score of responses that end without EOS (null = none)."""
+    reward_clip: float | None = None
+    """Clip scores to [−reward_clip, reward_clip] (null = none)."""
+    reference: str = "auto"
+    """auto (adapter-off for LoRA, else a frozen copy), copy or adapter."""
+    reference_device: str | None = None
+    """Device of the frozen reference copy (e.g. cpu to offload); null = the training device."""
+    reward_device: str | None = None
+    """Device of the reward model (e.g. cpu to offload); null = the training device."""
+
+    def validate(self) -> None:
+        self.model.validate("model")
+        if self.reward_model is not None:
+            self.reward_model.validate("reward_model")
+        if self.reward_model is None and not self.rewards:
+            raise ValueError("a reward is needed: reward_model.path and/or rewards [{function: module:function}]")
+        for i, spec in enumerate(self.rewards):
+            spec.validate(f"rewards[{i}]")
+        self.data.validate("data")
+        self.optim.validate("optim")
+        self.run.validate("run")
+        self.sampling.validate("sampling")
+        check_choice("critic", self.critic, CRITIC_MODES)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
+        check_choice("reference", self.reference, ("auto", "copy", "adapter"))
+        if self.critic == "reward" and self.reward_model is None:
+            raise ValueError("critic=reward needs reward_model (or use critic=policy / critic=shared)")
+        if self.run.batch_size % self.num_generations:
+            raise ValueError(f"run.batch_size must be a multiple of num_generations={self.num_generations}")
+        for key in ("ppo_epochs", "minibatches", "num_generations"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.kl_coef < 0 or self.kl_target <= 0 or self.kl_horizon <= 0:
+            raise ValueError("kl_coef must be >= 0, kl_target and kl_horizon > 0")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ValueError("gamma and lam must be in [0, 1]")
+
+
+class PPOTrainer:
+    """Holds the four roles and the state of a PPO run; ``train()`` runs the loop of the module docstring."""
+
+    def __init__(self, config: PPOConfig):
+        config.validate()
+        self.config = config
+        acc = self.accelerator = build_accelerator(config.run)
+        torch.manual_seed(config.run.seed)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+        self.prompts, report = load_prompts(config.data, self.tokenizer)
+        acc.print(f"[ppo] prompts: {report.summary()}")
+        world = acc.num_processes
+        prompts_per_step = config.run.batch_size // config.num_generations
+        if prompts_per_step % world:
+            raise ValueError(f"prompts per step ({prompts_per_step}) must split evenly over {world} processes")
+        self.local_prompts = prompts_per_step // world
+        self.kl_coef = config.kl_coef
+
+        # the four roles
+        policy = load_policy(replace(config.model, device="cpu"))
+        self.reference = Reference.from_policy(policy, share=config.reference)
+        if self.reference.model is not None:
+            self.reference.model.to(config.reference_device or acc.device)
+        self.reward_model = None
+        if config.reward_model is not None:
+            self.reward_model = load_reward_model(
+                replace(config.reward_model, device=config.reward_device or str(acc.device))
+            )
+        self.reward_functions = RewardComposer.from_specs(config.rewards) if config.rewards else None
+        self.shared = config.critic == "shared"
+        self.total_steps = config.run.max_steps or max(
+            1, math.ceil(config.run.epochs * len(self.prompts) / prompts_per_step)
+        )
+        updates = self.total_steps * config.ppo_epochs * config.minibatches
+        if self.shared:
+            model = PolicyWithValueHead(policy)
+            optimizer, self.scheduler = build_optimizer(
+                [p for p in model.parameters() if p.requires_grad], config.optim, updates
+            )
+            self.model, self.optimizer = acc.prepare(model, optimizer)
+            self.critic = self.critic_optimizer = self.critic_scheduler = None
+            acc.register_for_checkpointing(self.scheduler)
+            self.engine = HFEngine(acc.unwrap_model(self.model).policy, self.tokenizer)
+        else:
+            critic = load_critic(
+                config.critic,
+                replace(config.model, device="cpu", lora=None),
+                None if config.reward_model is None else replace(config.reward_model, device="cpu"),
+            )
+            optimizer, self.scheduler = build_optimizer(
+                [p for p in policy.parameters() if p.requires_grad], config.optim, updates
+            )
+            critic_optim = replace(config.optim, lr=config.critic_lr or 10 * config.optim.lr)
+            critic_optimizer, self.critic_scheduler = build_optimizer(critic.parameters(), critic_optim, updates)
+            self.model, self.critic, self.optimizer, self.critic_optimizer = acc.prepare(
+                policy, critic, optimizer, critic_optimizer
+            )
+            acc.register_for_checkpointing(self.scheduler)
+            acc.register_for_checkpointing(self.critic_scheduler)
+            self.engine = HFEngine(acc.unwrap_model(self.model), self.tokenizer)
+        self.sampler = PromptSampler(len(self.prompts), config.run.seed)
+
+    # -- forward passes -----------------------------------------------------------------------------
+
+    def _policy_forward(self, rollout, rows, with_entropy=False, entropy_grad=False):
+        """(logprobs, values or None, entropy or None) of ``rows``; the shared model gives values too."""
+        device = self.accelerator.device
+        if self.shared:
+            return self.model(
+                rollout.input_ids[rows].to(device),
+                rollout.attention_mask[rows].to(device),
+                rollout.response_length,
+                rollout.temperature,
+                with_entropy,
+                entropy_grad,
+            )
+        logprobs, entropy = policy_logprobs(self.model, rollout, rows, device, with_entropy, entropy_grad)
+        return logprobs, None, entropy
+
+    def _values(self, rollout, rows) -> torch.Tensor:
+        device = self.accelerator.device
+        if self.shared:
+            return self._policy_forward(rollout, rows)[1]
+        return token_values(
+            self.critic,
+            rollout.input_ids[rows].to(device),
+            rollout.attention_mask[rows].to(device),
+            rollout.response_length,
+        )
+
+    # -- 2. scores ------------------------------------------------------------------------------------
+
+    def scores(self, rollout, columns) -> tuple[torch.Tensor, dict]:
+        cfg, device = self.config, self.accelerator.device
+        scores = torch.zeros(len(rollout), device=device)
+        metrics = {}
+        if self.reward_model is not None:
+            rm_device = next(self.reward_model.parameters()).device
+            with torch.no_grad():
+                rm = torch.cat(
+                    [
+                        sequence_scores(
+                            self.reward_model,
+                            rollout.input_ids[s].to(rm_device),
+                            rollout.attention_mask[s].to(rm_device),
+                        )
+                        for s in micro_slices(len(rollout), cfg.run.micro_batch_size)
+                    ]
+                ).to(device)
+            scores += rm
+            metrics["score/reward_model"] = global_sum(self.accelerator, rm.sum()) / global_sum(
+                self.accelerator, len(rm)
+            )
+        if self.reward_functions is not None:
+            out = self.reward_functions(rollout.prompts, rollout.responses, columns)
+            metrics.update(out.metrics())
+            scores += torch.nan_to_num(out.total, nan=0.0).to(device)  # PPO has no group: unscored rows add 0
+        if cfg.missing_eos_penalty is not None:  # looks at the response only: truncated = no EOS in it
+            scores = scores - cfg.missing_eos_penalty * rollout.truncated.to(device).float()
+        if cfg.reward_clip is not None:
+            scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+        return scores, metrics
+
+    # -- 5. PPO epochs ---------------------------------------------------------------------------------
+
+    def update(self, step, rollout, old_logprobs, old_values, advantages, returns, mask) -> dict:
+        cfg, acc = self.config, self.accelerator
+        world, B = acc.num_processes, len(rollout)
+        size = max(1, B // cfg.minibatches)
+        stats, first = StatsAccumulator(), None
+        for epoch in range(cfg.ppo_epochs):
+            generator = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step * 1_009 + epoch)
+            order = torch.randperm(B, generator=generator)
+            for m in range(cfg.minibatches):
+                rows = order[m * size : (m + 1) * size].tolist()
+                sub = rollout.select(rows)
+                sub_mask, sub_adv, sub_ret = mask[rows], advantages[rows], returns[rows]
+                sub_old, sub_old_values = old_logprobs[rows], old_values[rows]
+                units = global_sum(acc, aggregation_units(sub_mask, cfg.loss_agg))
+                minibatch = StatsAccumulator()
+                slices = micro_slices(len(rows), cfg.run.micro_batch_size)
+                for k, s in enumerate(slices):
+                    last = k == len(slices) - 1
+                    sync_policy = contextlib.nullcontext() if last else acc.no_sync(self.model)
+                    weight = float(aggregation_units(sub_mask[s], cfg.loss_agg)) * world / max(units, 1.0)
+                    with sync_policy:
+                        logprobs, values, entropy = self._policy_forward(
+                            sub, s, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
+                        )
+                        pg_loss, pg_stats = ppo_policy_loss(
+                            logprobs, sub_old[s], sub_adv[s], sub_mask[s], cfg.clip_low, cfg.clip_high, cfg.loss_agg
+                        )
+                        entropy_mean = masked_mean(entropy, sub_mask[s])
+                        loss = pg_loss - cfg.entropy_coef * entropy_mean
+                        if self.shared:
+                            vf_loss = value_loss(
+                                values, sub_old_values[s], sub_ret[s], sub_mask[s], cfg.vf_clip, cfg.loss_agg
+                            )
+                            loss = loss + cfg.vf_coef * vf_loss
+                        acc.backward(loss * weight)
+                    if not self.shared:
+                        sync_critic = contextlib.nullcontext() if last else acc.no_sync(self.critic)
+                        with sync_critic:
+                            values = self._values(sub, s)
+                            vf_loss = value_loss(
+                                values, sub_old_values[s], sub_ret[s], sub_mask[s], cfg.vf_clip, cfg.loss_agg
+                            )
+                            acc.backward(vf_loss * weight)
+                    clipped = (values.detach() - sub_old_values[s]).abs() > (cfg.vf_clip or math.inf)
+                    minibatch.add(
+                        {
+                            **pg_stats,
+                            "entropy": entropy_mean.detach(),
+                            "value_loss": vf_loss.detach(),
+                            "value_clipfrac": masked_mean(clipped.float(), sub_mask[s]),
+                        },
+                        weight,
+                    )
+                grad_norm = self._step(self.model, self.optimizer, self.scheduler)
+                if not self.shared:
+                    critic_norm = self._step(self.critic, self.critic_optimizer, self.critic_scheduler)
+                    stats.add({"critic_grad_norm": torch.tensor(critic_norm)}, 1.0)
+                result = minibatch.result(acc)
+                if first is None:
+                    first = result
+                stats.add(result, 1.0)
+                stats.add({"grad_norm": torch.tensor(grad_norm)}, 1.0)
+        out = {
+            ("policy/" + k if k not in ("grad_norm", "critic_grad_norm") else k): v
+            for k, v in stats.result(acc).items()
+        }
+        for key in ("value_loss", "value_clipfrac", "entropy"):
+            out[key] = out.pop(f"policy/{key}")
+        out["policy/first_minibatch_ratio_max"] = first["ratio_max"]
+        out["policy/first_minibatch_ratio_min"] = first["ratio_min"]
+        out["policy/first_minibatch_clipfrac"] = first["clipfrac"]
+        return out
+
+    def _step(self, model, optimizer, scheduler) -> float:
+        params = [p for p in model.parameters() if p.requires_grad]
+        max_norm = self.config.optim.max_grad_norm
+        if max_norm is None:
+            norms = [p.grad.detach().norm() for p in params if p.grad is not None]
+            norm = float(torch.stack(norms).norm()) if norms else 0.0
+        else:
+            norm = float(self.accelerator.clip_grad_norm_(params, max_norm))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    def _take(self, k: int) -> list:
+        acc = self.accelerator
+        indices = self.sampler.take(k * acc.num_processes)
+        return [self.prompts[i] for i in indices[acc.process_index * k : (acc.process_index + 1) * k]]
+
+    def _saved_models(self) -> dict:
+        return {"policy": self.model} if self.shared else {"policy": self.model, "critic": self.critic}
+
+    def train(self, callbacks=()) -> dict:
+        cfg, acc, device = self.config, self.accelerator, self.accelerator.device
+        start_step = 0
+        resume = resolve_resume(cfg.run.output_dir, cfg.run.resume_from)
+        if resume is not None:
+            state = load_checkpoint(acc, resume)
+            start_step, self.sampler.cursor, self.kl_coef = state["step"], state["prompt_cursor"], state["kl_coef"]
+        if acc.is_main_process:
+            write_resolved_config(cfg.run.output_dir, cfg)
+        logger = MetricsLogger(
+            cfg.run.output_dir,
+            cfg.run.report_to,
+            to_dict(cfg),
+            enabled=acc.is_main_process,
+            progress_total=self.total_steps,
+            progress=cfg.run.progress,
+            run_name="ppo",
+        )
+        logger.advance(start_step)
+        metrics: dict = {}
+        for step in range(start_step, self.total_steps):
+            t0, timer = time.perf_counter(), PhaseTimer()
+            # 1. rollout
+            with timer("generate"):
+                rollout, columns = sample(
+                    self.engine, self._take(self.local_prompts), cfg.sampling, cfg.num_generations
+                )
+            mask = rollout.response_mask
+            old_logprobs = rollout.logprobs
+            if old_logprobs is None:  # an engine without exact log-probs (vLLM): one forward pass
+                with timer("old_logprobs"), torch.no_grad():
+                    old_logprobs = torch.cat(
+                        [
+                            self._policy_forward(rollout, s)[0]
+                            for s in micro_slices(len(rollout), cfg.run.micro_batch_size)
+                        ]
+                    )
+            # 2. reference log-probs and scores
+            with timer("reference"):
+                ref_logprobs = reference_logprobs(self.reference, rollout, cfg.run.micro_batch_size, device)
+            with timer("reward"):
+                scores, metrics = self.scores(rollout, columns)
+            # 3. per-token KL and token rewards: −β·KL_t, plus the score at the last response token
+            kl = kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator)
+            token_rewards = shape_rewards(scores, kl, mask, self.kl_coef)
+            if cfg.whiten_rewards:
+                token_rewards = gather_whiten(acc, token_rewards, mask, shift_mean=False)
+            # 4. values, GAE, advantage whitening
+            with timer("values"), torch.no_grad():
+                old_values = torch.cat(
+                    [self._values(rollout, s) for s in micro_slices(len(rollout), cfg.run.micro_batch_size)]
+                )
+            advantages, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
+            if cfg.whiten_advantages:
+                advantages = gather_whiten(acc, advantages, mask)
+            metrics.update(advantage_metrics(acc, advantages, mask))
+            # 5. PPO epochs over minibatches
+            with timer("train"):
+                metrics.update(self.update(step, rollout, old_logprobs, old_values, advantages, returns, mask))
+            # 6. log; adapt β
+            kl_stats = kl_metrics(acc, kl, mask)
+            metrics.update(kl_stats)
+            metrics.update(self._critic_metrics(old_values, returns, mask))
+            done = step + 1
+            seconds = time.perf_counter() - t0
+            metrics.update(response_metrics(acc, rollout))
+            metrics.update(timer.read())
+            metrics.update(
+                {
+                    "score/mean": global_sum(acc, scores.sum()) / global_sum(acc, len(scores)),
+                    "score/std": float(acc.gather(scores).std()) if acc.num_processes * len(scores) > 1 else 0.0,
+                    "reward/mean": global_sum(acc, torch.where(mask.bool(), token_rewards, 0.0).sum())
+                    / global_sum(acc, len(scores)),
+                    "kl_coef": self.kl_coef,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "time/step": seconds,
+                    "tokens_per_s": metrics["tokens_generated"] / seconds,
+                }
+            )
+            if cfg.adaptive_kl:
+                self.kl_coef = adaptive_kl_coef(
+                    self.kl_coef, kl_stats["kl/per_sequence"], cfg.kl_target, cfg.kl_horizon, cfg.run.batch_size
+                )
+            logger.log(done, metrics, ("score/mean", "kl/per_sequence", "policy/clipfrac"))
+            logger.advance()
+            if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
+                save_checkpoint(
+                    acc,
+                    cfg.run.output_dir,
+                    done,
+                    self._saved_models(),
+                    self.tokenizer,
+                    {"prompt_cursor": self.sampler.cursor, "kl_coef": self.kl_coef},
+                    cfg.run.keep_last,
+                )
+            for callback in callbacks:
+                callback(done, metrics)
+        logger.close()
+        save_final(acc, cfg.run.output_dir, self._saved_models(), self.tokenizer)
+        return {
+            "final_metrics": metrics,
+            "steps": self.total_steps,
+            "output_dir": cfg.run.output_dir,
+            "processes": acc.num_processes,
+            "kl_coef": self.kl_coef,
+        }
+
+    def _critic_metrics(self, values, returns, mask) -> dict:
+        """Explained variance 1 − Var(R − V) / Var(R) of the rollout's values (valid tokens)."""
+        var_returns = masked_var(returns, mask)
+        explained = 1.0 - masked_var(returns - values, mask) / var_returns.clamp(min=1e-8)
+        return {
+            "values/explained_variance": float(explained),
+            "values/mean": float(masked_mean(values, mask)),
+            "returns/mean": float(masked_mean(returns, mask)),
+        }
+
+
+def train(config: PPOConfig, callbacks=()) -> dict:
+    """Run RLHF-PPO; writes ``<run.output_dir>/final/policy`` (and ``final/critic``)."""
+    return PPOTrainer(config).train(callbacks)

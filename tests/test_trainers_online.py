@@ -1,0 +1,437 @@
+"""GRPO and PPO on tiny models: rewards rise, ratios start at 1, KL has the right sign, resume is exact."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain.core import aggregate_loss, group_advantages, kl_penalty, ppo_policy_loss
+from posttrain.data.synthetic import arithmetic_sft, vowel_pairs
+from posttrain.models import response_logprobs
+from posttrain.rewards import RewardComposer
+from posttrain.trainers.config import load_config
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer, _scores_with_missing
+from posttrain.trainers.grpo import train as train_grpo
+from posttrain.trainers.metrics import read_metrics
+from posttrain.trainers.online import PhaseTimer
+from posttrain.trainers.ppo import PPOConfig
+from posttrain.trainers.ppo import train as train_ppo
+
+EXACT = "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]"
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def noisy_sft(tiny_dir, tmp_path_factory):
+    """A tiny model SFT'd on single-digit sums from a demonstrator that is off by one half the time:
+    about half of its samples are right, and a verifiable reward can tell which."""
+    from posttrain.trainers import sft
+
+    root = tmp_path_factory.mktemp("noisy_sft")
+    data = _jsonl(root / "sft.jsonl", arithmetic_sft(2000, seed=0, low=0, high=9, noise=0.5))
+    prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(300, seed=1, low=0, high=9)]
+    config = load_config(
+        sft.SFTConfig,
+        None,
+        [
+            f"model.path={tiny_dir / 'policy'}",
+            f"data.path={data}",
+            "data.chat_template=never",
+            f"run.output_dir={root / 'sft'}",
+            "run.max_steps=300",
+            "run.batch_size=32",
+            "optim.lr=3e-3",
+            "optim.scheduler=cosine",
+            "run.progress=false",
+            "run.report_to=[jsonl]",
+        ],
+    )
+    sft.train(config)
+    return {"policy": str(root / "sft" / "final" / "policy"), "prompts": _jsonl(root / "prompts.jsonl", prompts)}
+
+
+def _grpo(noisy_sft, tmp_path, name, *overrides):
+    base = [
+        f"model.path={noisy_sft['policy']}",
+        f"data.path={noisy_sft['prompts']}",
+        "data.chat_template=never",
+        f"run.output_dir={tmp_path / name}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        EXACT,
+        "sampling.max_new_tokens=4",
+        "num_generations=8",
+        "run.batch_size=64",
+        "run.micro_batch_size=32",
+        "optim.lr=5e-4",
+        "kl_coef=0",
+    ]
+    return load_config(GRPOConfig, None, base + list(overrides))
+
+
+def test_grpo_raises_reward_and_first_minibatch_ratio_is_one(noisy_sft, tmp_path):
+    config = _grpo(
+        noisy_sft,
+        tmp_path,
+        "grpo",
+        "run.max_steps=40",
+        "run.batch_size=128",
+        "run.micro_batch_size=64",
+        "num_iterations=2",
+    )
+    train_grpo(config)
+    records = read_metrics(config.run.output_dir)
+    rewards = [r["reward/mean"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, (first, last)
+    for r in records:
+        # every update starts on-policy: sampling and training log-probs agree (PITFALLS #4)
+        assert abs(r["policy/first_minibatch_ratio_max"] - 1) < 1e-5
+        assert abs(r["policy/first_minibatch_ratio_min"] - 1) < 1e-5
+        assert r["policy/first_minibatch_clipfrac"] == 0
+        assert r["passes/old_logprobs"] == 0  # the sampling log-probs are the old ones: no extra forward
+    assert max(r["policy/clipfrac"] for r in records) > 0  # μ = 2: the second pass is off-policy and clips
+    for key in (
+        "entropy",
+        "kl_coef",
+        "advantages/mean",
+        "advantages/std",
+        "response_length/mean",
+        "truncated_share",
+        "groups/zero_variance_share",
+        "time/generate",
+        "time/reward",
+        "time/train",
+        "tokens_per_s",
+        "reward/exact_answer/mean",
+        "policy/approx_kl",
+        "policy/ratio_max",
+    ):
+        assert key in records[-1], key
+
+
+def test_grpo_mu_one_never_clips_and_kl_zero_loads_no_reference(noisy_sft, tmp_path):
+    config = _grpo(noisy_sft, tmp_path, "mu1", "run.max_steps=3")
+    trainer = GRPOTrainer(config)
+    assert trainer.reference is None  # kl_coef = 0: no reference model at all
+    trainer.train()
+    records = read_metrics(config.run.output_dir)
+    assert all(r["policy/clipfrac"] == 0 for r in records)
+    assert all(r["passes/reference"] == 0 and r["passes/old_logprobs"] == 0 for r in records)
+    assert "kl/per_token" not in records[-1]
+
+
+def test_grpo_kl_in_loss_and_in_reward(noisy_sft, tmp_path):
+    for kl_in in ("loss", "reward"):
+        config = _grpo(
+            noisy_sft, tmp_path, f"kl_{kl_in}", "run.max_steps=3", "kl_coef=0.1", f"kl_in={kl_in}", "optim.lr=2e-3"
+        )
+        trainer = GRPOTrainer(config)
+        assert trainer.reference is not None
+        trainer.train()
+        records = read_metrics(config.run.output_dir)
+        assert records[0]["kl/per_token"] == pytest.approx(0.0, abs=1e-4)  # the policy is its reference at step 1
+        assert records[-1]["kl/per_token"] != 0
+        assert records[-1]["passes/reference"] == 3
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dapo", "dr_grpo"])
+def test_presets_print_their_knobs_and_match_core_by_hand(noisy_sft, tmp_path, preset, capsys):
+    config = _grpo(
+        noisy_sft,
+        tmp_path,
+        preset,
+        f"preset={preset}",
+        "run.max_steps=1",
+        "run.micro_batch_size=16",
+        "kl_coef=0.05",
+        "kl_in=loss",
+        "max_sampling_tries=2",
+    )
+    expected = GRPOConfig.PRESETS[preset]
+    for key, value in expected.items():
+        if key != "kl_coef":  # set explicitly above: the explicit setting wins
+            assert getattr(config, key) == value, key
+    assert config.kl_coef == 0.05
+    trainer = GRPOTrainer(config)
+    printed = capsys.readouterr().out
+    assert f"preset {preset}: " in printed and f"loss_agg={expected['loss_agg']}" in printed
+    if preset == "dapo":
+        assert "kl_coef=0.05 (preset 0.0, overridden)" in printed
+
+    torch.manual_seed(0)
+    rollout, scores, applicable, _ = trainer.rollout_and_score(PhaseTimer())
+    mask = rollout.response_mask * applicable[:, None]
+    ref = torch.cat(
+        [
+            trainer.reference.logprobs(
+                rollout.input_ids[s], rollout.attention_mask[s], rollout.response_length, rollout.temperature
+            )
+            for s in (slice(0, 32), slice(32, 64))
+        ]
+    )
+    advantages = trainer.advantages(scores, kl_penalty(rollout.logprobs, ref, config.kl_estimator), mask)
+    assert torch.equal(advantages, group_advantages(scores, 8, scale=expected["scale_rewards"]))
+    with torch.no_grad():
+        logprobs, _ = response_logprobs(
+            trainer.model, rollout.input_ids, rollout.attention_mask, rollout.response_length, rollout.temperature
+        )
+    by_hand, _ = ppo_policy_loss(
+        logprobs,
+        rollout.logprobs,
+        advantages,
+        mask,
+        expected["clip_low"],
+        expected["clip_high"],
+        expected["loss_agg"],
+        ref,
+        0.05,
+        config.kl_estimator,
+        norm_length=config.sampling.max_new_tokens,
+    )
+    stats = trainer.update(0, rollout, rollout.logprobs, ref, advantages, mask)  # 4 micro-batches of 16
+    assert stats["policy/loss"] == pytest.approx(float(by_hand), abs=1e-5)
+    if preset == "dr_grpo":  # Dr. GRPO's constant normaliser: Σ / (B · max_new_tokens)
+        per_token = -advantages[:, None] * torch.exp(logprobs - rollout.logprobs)
+        assert float(aggregate_loss(per_token, mask, "seq-mean-token-sum-norm", 4)) == pytest.approx(
+            stats["policy/pg_loss"], abs=1e-5
+        )
+
+
+REWARD_FILE = '''
+def even_first_digit(prompts, completions, answer, **columns):
+    """Reward only prompts whose first digit is even: the other groups are all 0, with no signal."""
+    return [float(p[0] in "02468" and c.strip() == a) for p, c, a in zip(prompts, completions, answer)]
+
+
+def half_applicable(prompts, completions, answer, **columns):
+    return [None if i % 2 else 1.0 for i in range(len(completions))]
+'''
+
+
+def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch(noisy_sft, tmp_path):
+    (tmp_path / "my_rewards.py").write_text(REWARD_FILE)
+    config = _grpo(
+        noisy_sft,
+        tmp_path,
+        "dyn",
+        "run.max_steps=2",
+        "dynamic_sampling=true",
+        "max_sampling_tries=6",
+        f"rewards=[{{function: '{tmp_path / 'my_rewards.py'}:even_first_digit'}}]",
+    )
+    trainer = GRPOTrainer(config)
+    torch.manual_seed(0)
+    rollout, scores, _, metrics = trainer.rollout_and_score(PhaseTimer())
+    assert metrics["groups/dropped"] > 0 and metrics["groups/zero_variance_share"] > 0
+    assert metrics["groups/trained"] == 8 and len(rollout) == 64  # refilled to 8 prompts × 8
+    grouped = scores.view(-1, 8)
+    assert (grouped.amax(1) > grouped.amin(1)).all()  # every trained group carries a signal
+    assert all(p[0] in "02468" for p in rollout.prompts)
+
+
+def test_none_rewards_are_excluded_not_zero(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(REWARD_FILE)
+    from posttrain.rewards import RewardSpec
+
+    composer = RewardComposer.from_specs(
+        [
+            RewardSpec(f"{tmp_path / 'my_rewards.py'}:half_applicable", weight=2.0),
+            RewardSpec("posttrain.rewards.builtin:exact_answer", weight=1.0),
+        ]
+    )
+    out = composer(["1+1="] * 4, ["2", "3", "2", "3"], {"answer": ["2", "2", None, None]})
+    # row 0: both apply (2·1 + 1·1); row 1: only exact_answer (wrong: 0); row 2: only half_applicable (2·1);
+    # row 3: neither applies → NaN, not 0
+    assert out.total[:3].tolist() == [2.0 + 1.0, 0.0, 2.0]
+    assert math.isnan(out.total[3])
+    filled, applicable = _scores_with_missing(torch.tensor([1.0, float("nan"), 0.0, 0.0]), 2)
+    assert filled.tolist() == [1.0, 1.0, 0.0, 0.0] and applicable.tolist() == [True, False, True, True]
+    with pytest.raises(ValueError, match="returned NaN"):
+        RewardComposer([("bad", lambda p, c, **k: [float("nan")] * len(c), 1.0)])(["x"], ["y"], {})
+
+
+def test_grpo_resume_reproduces_the_uninterrupted_run(noisy_sft, tmp_path):
+    common = ["run.max_steps=4", "run.save_every=2", "kl_coef=0.05", "minibatches=2", "num_iterations=2"]
+    straight = _grpo(noisy_sft, tmp_path, "straight", *common)
+    train_grpo(straight)
+    crashed = _grpo(noisy_sft, tmp_path, "crashed", *common)
+
+    def crash(step, metrics):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_grpo(crashed, callbacks=[crash])
+    train_grpo(_grpo(noisy_sft, tmp_path, "crashed", *common, "run.resume_from=latest"))
+    a = load_file(tmp_path / "straight" / "final" / "policy" / "model.safetensors")
+    b = load_file(tmp_path / "crashed" / "final" / "policy" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rewards = {name: [r["reward/mean"] for r in read_metrics(tmp_path / name)] for name in ("straight", "crashed")}
+    assert rewards["crashed"][-2:] == rewards["straight"][-2:]  # the same samples after the resume
+
+
+def test_mask_truncated_leaves_truncated_responses_out(noisy_sft, tmp_path):
+    config = _grpo(
+        noisy_sft,
+        tmp_path,
+        "trunc",
+        "run.max_steps=1",
+        "mask_truncated=true",
+        "sampling.max_new_tokens=1",
+        "sampling.min_new_tokens=1",
+    )
+    train_grpo(config)
+    (record,) = read_metrics(config.run.output_dir)
+    assert record["truncated_share"] == 1.0 and record["grad_norm"] == 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# PPO
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vowel_rm(tiny_dir, tmp_path_factory):
+    """A reward model that prefers responses with more vowels, and a prompt file."""
+    from posttrain.trainers import rm
+
+    root = tmp_path_factory.mktemp("vowel_rm")
+    data = _jsonl(root / "pairs.jsonl", vowel_pairs(1000, seed=0))
+    config = load_config(
+        rm.RMConfig,
+        None,
+        [
+            f"model.path={tiny_dir / 'policy'}",
+            f"data.path={data}",
+            "data.chat_template=never",
+            f"run.output_dir={root / 'rm'}",
+            "run.max_steps=60",
+            "run.batch_size=16",
+            "optim.lr=2e-3",
+            "optim.scheduler=constant",
+            "run.progress=false",
+            "run.report_to=[jsonl]",
+        ],
+    )
+    rm.train(config)
+    return {
+        "reward": str(root / "rm" / "final" / "reward"),
+        "prompts": _jsonl(root / "p.jsonl", [{"prompt": "rank:"}] * 64),
+    }
+
+
+def _ppo(tiny_dir, vowel_rm, tmp_path, name, *overrides):
+    base = [
+        f"model.path={tiny_dir / 'policy'}",
+        f"reward_model.path={vowel_rm['reward']}",
+        f"data.path={vowel_rm['prompts']}",
+        "data.chat_template=never",
+        f"run.output_dir={tmp_path / name}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "run.batch_size=32",
+        "run.micro_batch_size=16",
+        "optim.lr=1e-3",
+        "sampling.max_new_tokens=8",
+        "sampling.min_new_tokens=8",
+    ]
+    return load_config(PPOConfig, None, base + list(overrides))
+
+
+def _tail(records, key, n=5):
+    return sum(r[key] for r in records[-n:]) / n
+
+
+def test_ppo_raises_reward_model_score_and_larger_kl_coef_gives_smaller_kl(tiny_dir, vowel_rm, tmp_path):
+    finals = {}
+    for kl_coef in (0.0, 0.3):
+        config = _ppo(tiny_dir, vowel_rm, tmp_path, f"kl{kl_coef}", "run.max_steps=30", f"kl_coef={kl_coef}")
+        train_ppo(config)
+        records = read_metrics(config.run.output_dir)
+        assert _tail(records, "score/mean") > records[0]["score/mean"] + 3.0
+        assert records[0]["kl/per_sequence"] == pytest.approx(0.0, abs=1e-3)  # policy = reference at step 1
+        for r in records:
+            assert abs(r["policy/first_minibatch_ratio_max"] - 1) < 1e-5 and r["policy/first_minibatch_clipfrac"] == 0
+        finals[kl_coef] = _tail(records, "kl/per_sequence")
+    assert finals[0.3] < 0.75 * finals[0.0], finals  # the KL penalty pulls towards the reference
+    for key in (
+        "value_loss",
+        "value_clipfrac",
+        "values/explained_variance",
+        "policy/clipfrac",
+        "policy/approx_kl",
+        "entropy",
+        "kl/per_token",
+        "kl_coef",
+        "advantages/mean",
+        "score/reward_model",
+        "time/reference",
+        "time/values",
+        "critic_grad_norm",
+    ):
+        assert key in records[-1], key
+    assert (tmp_path / "kl0.3" / "final" / "critic" / "model.safetensors").is_file()
+
+
+def test_ppo_resume_is_exact_with_adaptive_kl_state(tiny_dir, vowel_rm, tmp_path):
+    common = [
+        "run.max_steps=4",
+        "run.save_every=2",
+        "adaptive_kl=true",
+        "kl_target=0.5",
+        "kl_horizon=100",
+        "minibatches=2",
+        "ppo_epochs=2",
+    ]
+    straight = train_ppo(_ppo(tiny_dir, vowel_rm, tmp_path, "straight", *common))
+
+    def crash(step, metrics):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_ppo(_ppo(tiny_dir, vowel_rm, tmp_path, "crashed", *common), callbacks=[crash])
+    resumed = train_ppo(_ppo(tiny_dir, vowel_rm, tmp_path, "crashed", *common, "run.resume_from=latest"))
+    assert resumed["kl_coef"] == straight["kl_coef"] != 0.05  # the controller moved, and its state resumed
+    for role in ("policy", "critic"):
+        a = load_file(tmp_path / "straight" / "final" / role / "model.safetensors")
+        b = load_file(tmp_path / "crashed" / "final" / role / "model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a), role
+
+
+def test_ppo_shared_value_head_and_lora_policy(tiny_dir, vowel_rm, tmp_path):
+    shared = _ppo(tiny_dir, vowel_rm, tmp_path, "shared", "run.max_steps=3", "critic=shared")
+    train_ppo(shared)
+    assert (tmp_path / "shared" / "final" / "policy" / "value_head.safetensors").is_file()
+    records = read_metrics(shared.run.output_dir)
+    assert records[0]["values/mean"] == 0.0  # the value head starts at zero output
+    lora = _ppo(
+        tiny_dir,
+        vowel_rm,
+        tmp_path,
+        "lora",
+        "run.max_steps=3",
+        "critic=policy",
+        'model.lora={"r": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}',
+        "reference=adapter",
+    )
+    train_ppo(lora)
+    records = read_metrics(lora.run.output_dir)
+    assert records[0]["kl/per_sequence"] == pytest.approx(0.0, abs=1e-3)  # adapter-off reference = policy at start
+    assert (tmp_path / "lora" / "final" / "policy" / "adapter_config.json").is_file()
+
+
+def test_ppo_config_errors_name_the_field(tiny_dir, vowel_rm, tmp_path):
+    with pytest.raises(ValueError, match="a reward is needed"):
+        load_config(PPOConfig, None, ["model.path=x", "data.path=y"])
+    with pytest.raises(ValueError, match="critic=reward needs reward_model"):
+        load_config(PPOConfig, None, ["model.path=x", "data.path=y", EXACT])
+    with pytest.raises(ValueError, match="kl_estimator must be one of"):
+        _ppo(tiny_dir, vowel_rm, tmp_path, "bad", "kl_estimator=k4")
