@@ -2,9 +2,9 @@
 
     .venv/bin/python examples/prepare_data.py
 
-writes runs/tiny/{policy,reward} (offline, from seed 0), runs/data/arith_sft.jsonl, vowel_pairs.jsonl,
-vowel_rankings.jsonl, arith_prompts.jsonl, and runs/data/hh_rlhf.jsonl (the HH-RLHF harmless-base pairs
-from ../shared/data, split into prompt / chosen / rejected).
+writes runs/tiny/{policy,reward} (offline, from seed 0); synthetic data under runs/data/ (sums for SFT and
+RL, a noisy-demonstrator variant, vowel pairs and rankings); runs/data/hh_rlhf.jsonl (the HH-RLHF
+harmless-base pairs from ../shared/data, split into prompt / chosen / rejected) and the GSM8K test prompts.
 """
 
 import json
@@ -31,6 +31,10 @@ def main(root: str = "runs") -> None:
         root / "data" / "arith_prompts.jsonl",
         [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(500, seed=1)],
     )
+    write(root / "data" / "digit_sft_noisy.jsonl", arithmetic_sft(2000, seed=0, low=0, high=9, noise=0.5))
+    write(root / "data" / "digit_prompts.jsonl", [{"prompt": r["prompt"], "answer": r["answer"]}
+                                                   for r in arithmetic_sft(300, seed=1, low=0, high=9)])
+    write(root / "data" / "rank_prompts.jsonl", [{"prompt": "rank:"}] * 64)
     write(root / "data" / "vowel_pairs.jsonl", vowel_pairs(2000, seed=0))
     write(root / "data" / "vowel_rankings.jsonl", vowel_rankings(1000, k=4, seed=0))
     write(root / "data" / "hh_rlhf.jsonl", load_hh_rlhf())

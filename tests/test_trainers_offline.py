@@ -354,14 +354,30 @@ def test_cli_runs_a_trainer_in_a_subprocess(tiny_dir, tmp_path):
     assert load_tokenizer(str(tmp_path / "cli" / "final" / "policy")).eos_token == "<eos>"
 
 
-@pytest.mark.parametrize("name", ["sft_tiny", "rm_rankings_tiny", "dpo_tiny", "rm_hh_rlhf", "dpo_hh_rlhf"])
+EXAMPLES = [
+    "sft_tiny",
+    "rm_rankings_tiny",
+    "dpo_tiny",
+    "rm_hh_rlhf",
+    "dpo_hh_rlhf",
+    "sft_digits_noisy",
+    "rm_vowels",
+    "ppo_vowels",
+    "grpo_digits",
+]
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_example_configs_are_valid(name):
     from pathlib import Path
 
-    classes = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig}
+    from posttrain.trainers.grpo import GRPOConfig
+    from posttrain.trainers.ppo import PPOConfig
+
+    classes = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig, "grpo": GRPOConfig}
     path = Path(__file__).parent.parent / "examples" / f"{name}.yaml"
     config = load_config(classes[name.split("_")[0]], path)
-    assert config.model.path == "runs/tiny/policy" and config.data.path.startswith("runs/data/")
+    assert config.model.path.startswith("runs/") and config.data.path.startswith("runs/data/")
 
 
 def test_demo_runs_end_to_end(tmp_path):
@@ -410,3 +426,42 @@ def test_two_processes_with_ddp_match_one_process(tiny_dir, tmp_path):
     norms = [[r["grad_norm"] for r in read_metrics(tmp_path / d) if "grad_norm" in r] for d in ("one", "two")]
     assert len(norms[1]) == 3  # only the main process logs
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+
+
+def test_examples_run_as_written(tmp_path, monkeypatch):
+    """prepare_data.py, then every example config (2 steps each, in dependency order) from the repo root layout."""
+    import importlib.util
+    from pathlib import Path
+
+    from posttrain.trainers import dpo, grpo, ppo, rm, sft
+
+    root = Path(__file__).parent.parent
+    monkeypatch.chdir(tmp_path)
+    spec = importlib.util.spec_from_file_location("prepare_data", root / "examples" / "prepare_data.py")
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    prepare.main("runs")
+    modules = {"sft": sft, "rm": rm, "dpo": dpo, "ppo": ppo, "grpo": grpo}
+    classes = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": ppo.PPOConfig, "grpo": grpo.GRPOConfig}
+    order = [
+        "sft_tiny",
+        "rm_rankings_tiny",
+        "dpo_tiny",
+        "rm_hh_rlhf",
+        "dpo_hh_rlhf",
+        "sft_digits_noisy",
+        "grpo_digits",
+        "rm_vowels",
+        "ppo_vowels",
+    ]
+    assert sorted(order) == sorted(EXAMPLES)
+    for name in order:
+        kind = name.split("_")[0]
+        config = load_config(
+            classes[kind],
+            root / "examples" / f"{name}.yaml",
+            ["run.max_steps=2", "run.progress=false", "run.eval_every=null", "run.save_every=null"],
+        )
+        result = modules[kind].train(config)
+        assert result["steps"] == 2, name
+        assert (tmp_path / config.run.output_dir / "final").is_dir(), name
