@@ -39,6 +39,7 @@ def main(root: str = "runs") -> None:
     write(root / "data" / "vowel_rankings.jsonl", vowel_rankings(1000, k=4, seed=0))
     write(root / "data" / "hh_rlhf.jsonl", load_hh_rlhf())
     write(root / "data" / "gsm8k_test_prompts.jsonl", load_gsm8k("test"))
+    write(root / "data" / "gsm8k_train_prompts.jsonl", load_gsm8k("train"))
 
 
 if __name__ == "__main__":

@@ -428,6 +428,16 @@ def test_two_processes_with_ddp_match_one_process(tiny_dir, tmp_path):
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)
 
 
+def test_real_model_example_config_is_valid():
+    from pathlib import Path
+
+    from posttrain.trainers.grpo import GRPOConfig
+
+    config = load_config(GRPOConfig, Path(__file__).parent.parent / "examples" / "grpo_gsm8k.yaml")
+    assert config.loss_agg == "token-mean" and config.clip_high == 0.28 and config.dynamic_sampling  # dapo
+    assert [r.name for r in config.rewards] == ["math_answer", "think_answer_format"]
+
+
 def test_examples_run_as_written(tmp_path, monkeypatch):
     """prepare_data.py, then every example config (2 steps each, in dependency order) from the repo root layout."""
     import importlib.util

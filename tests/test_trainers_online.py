@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from posttrain.core import aggregate_loss, group_advantages, kl_penalty, ppo_policy_loss
 from posttrain.data.synthetic import arithmetic_sft, vowel_pairs
 from posttrain.models import response_logprobs
-from posttrain.rewards import RewardComposer
+from posttrain.rewards import RewardComposer, RewardError
 from posttrain.trainers.config import load_config
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer, _scores_with_missing
 from posttrain.trainers.grpo import train as train_grpo
@@ -253,7 +253,7 @@ def test_none_rewards_are_excluded_not_zero(tmp_path):
     assert math.isnan(out.total[3])
     filled, applicable = _scores_with_missing(torch.tensor([1.0, float("nan"), 0.0, 0.0]), 2)
     assert filled.tolist() == [1.0, 1.0, 0.0, 0.0] and applicable.tolist() == [True, False, True, True]
-    with pytest.raises(ValueError, match="returned NaN"):
+    with pytest.raises(RewardError, match="returned NaN"):
         RewardComposer([("bad", lambda p, c, **k: [float("nan")] * len(c), 1.0)])(["x"], ["y"], {})
 
 

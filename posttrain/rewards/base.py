@@ -15,6 +15,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import multiprocessing
+import os
+import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,6 +27,13 @@ from pathlib import Path
 import torch
 
 RewardFunction = Callable[..., list]
+ON_ERROR = ("raise", "skip")
+ISOLATION = ("process", "inline")
+_MIN_SAMPLES_FOR_ABORT = 20  # a failure rate is not judged on fewer samples
+
+
+class RewardError(RuntimeError):
+    """A reward function failed in a way the run must not continue past."""
 
 
 @dataclass
@@ -35,12 +46,28 @@ class RewardSpec:
     """Weight in the sum of rewards."""
     kwargs: dict = field(default_factory=dict)
     """Keyword arguments bound to the function (e.g. a soft length limit)."""
+    timeout: float = 60.0
+    """Seconds one call may take; a call that hangs is killed and its samples get None (counted)."""
+    on_error: str = "raise"
+    """A call that raises: raise (stop, showing the traceback and the offending prompt and completion)
+    or skip (that sample gets None and is counted)."""
+    max_failure_rate: float = 0.1
+    """Stop the run when more than this share of the samples scored so far failed or timed out."""
+    isolation: str = "process"
+    """process: each call runs in a forked worker that is killed on timeout; inline: in a thread of
+    this process (for reward models: a hung call is abandoned, not killed)."""
 
     def validate(self, name: str = "rewards[]") -> None:
         if ":" not in self.function:
             raise ValueError(
                 f"{name}.function must look like module:function or path/file.py:function, got {self.function!r}"
             )
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"{name}.on_error must be one of {ON_ERROR}, got {self.on_error!r}")
+        if self.isolation not in ISOLATION:
+            raise ValueError(f"{name}.isolation must be one of {ISOLATION}, got {self.isolation!r}")
+        if self.timeout <= 0 or not 0 <= self.max_failure_rate <= 1:
+            raise ValueError(f"{name}: timeout must be > 0 and max_failure_rate in [0, 1]")
 
     @property
     def name(self) -> str:
@@ -73,6 +100,7 @@ class RewardOutput:
 
     total: torch.Tensor  # [B] Σ_i w_i·r_i over the applicable functions; NaN where none applies
     components: dict[str, list[float | None]]  # per function, as it returned them
+    faults: dict[str, float] = field(default_factory=dict)  # cumulative failures and timeouts per function
 
     @property
     def applicable(self) -> torch.Tensor:
@@ -85,16 +113,73 @@ class RewardOutput:
             scored = [v for v in values if v is not None]
             out[f"reward/{name}/mean"] = sum(scored) / len(scored) if scored else math.nan
             out[f"reward/{name}/applicable"] = len(scored) / max(len(values), 1)
+        out.update(self.faults)
         return out
 
 
-class RewardComposer:
-    """A weighted sum of reward functions, each component kept for logging."""
+def _child(conn, fn, prompts, completions, columns) -> None:
+    try:
+        conn.send(("ok", list(fn(prompts, completions, **columns))))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
 
-    def __init__(self, functions: list[tuple[str, RewardFunction, float]]):
+
+def call_with_timeout(fn, prompts, completions, columns, timeout: float, isolation: str = "process"):
+    """("ok", values) | ("error", traceback) | ("timeout", None) of one call of a reward function."""
+    if isolation == "inline":
+        box: list = []
+        thread = threading.Thread(target=lambda: box.append(_inline(fn, prompts, completions, columns)), daemon=True)
+        thread.start()
+        thread.join(timeout)
+        return box[0] if box else ("timeout", None)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # a forked child must not use tokenizer threads
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    worker = context.Process(target=_child, args=(sender, fn, prompts, completions, columns), daemon=True)
+    worker.start()
+    sender.close()
+    try:
+        if receiver.poll(timeout):
+            return receiver.recv()
+        return ("timeout", None)
+    except EOFError:  # the worker died without answering (killed, out of memory)
+        return ("error", f"the reward worker exited with status {worker.exitcode} without an answer")
+    finally:
+        worker.kill()
+        worker.join()
+        receiver.close()
+
+
+def _inline(fn, prompts, completions, columns):
+    try:
+        return ("ok", list(fn(prompts, completions, **columns)))
+    except BaseException:
+        return ("error", traceback.format_exc())
+
+
+@dataclass
+class _Tracked:
+    name: str
+    fn: RewardFunction
+    weight: float
+    spec: RewardSpec
+    samples: int = 0
+    failures: int = 0
+    timeouts: int = 0
+
+
+class RewardComposer:
+    """A weighted sum of reward functions, each run under a timeout and each component kept for logging."""
+
+    def __init__(self, functions: list[tuple[str, RewardFunction, float]], specs: list[RewardSpec] | None = None):
         if not functions:
             raise ValueError("at least one reward function is needed")
-        self.functions = functions
+        specs = specs or [
+            RewardSpec(function=f"<callable>:{name}", weight=w, isolation="inline") for name, _, w in functions
+        ]
+        self.functions = [_Tracked(name, fn, w, spec) for (name, fn, w), spec in zip(functions, specs, strict=True)]
 
     @classmethod
     def from_specs(cls, specs: list[RewardSpec]) -> RewardComposer:
@@ -102,28 +187,73 @@ class RewardComposer:
         for spec in specs:
             fn = load_reward_function(spec.function)
             functions.append((spec.name, partial(fn, **spec.kwargs) if spec.kwargs else fn, spec.weight))
-        return cls(functions)
+        return cls(functions, specs)
+
+    def _scores(self, tracked: _Tracked, prompts, completions, columns) -> list:
+        """One function's values, with failing or hanging samples found one by one and handled."""
+        spec, B = tracked.spec, len(completions)
+        status, payload = call_with_timeout(tracked.fn, prompts, completions, columns, spec.timeout, spec.isolation)
+        if status == "ok":
+            values = payload
+            if len(values) != B:
+                raise RewardError(f"reward function {tracked.name!r} returned {len(values)} values for {B} completions")
+        elif status == "timeout" and spec.isolation == "inline":  # an abandoned thread: do not start B more
+            values = [None] * B
+            tracked.timeouts += B
+        else:  # find the samples that fail or hang, one call each
+            values = []
+            for b in range(B):
+                one = {k: [v[b]] for k, v in columns.items()}
+                status, payload = call_with_timeout(
+                    tracked.fn, [prompts[b]], [completions[b]], one, spec.timeout, spec.isolation
+                )
+                if status == "ok" and len(payload) == 1:
+                    values.append(payload[0])
+                    continue
+                if status == "timeout":
+                    tracked.timeouts += 1
+                elif spec.on_error == "raise":
+                    raise RewardError(
+                        f"reward function {tracked.name!r} raised on a sample (set on_error: skip to score it "
+                        f"None and go on)\nprompt: {prompts[b]!r}\ncompletion: {completions[b]!r}\n{payload}"
+                    )
+                else:
+                    tracked.failures += 1
+                values.append(None)
+        tracked.samples += B
+        bad = tracked.failures + tracked.timeouts
+        if tracked.samples >= _MIN_SAMPLES_FOR_ABORT and bad > spec.max_failure_rate * tracked.samples:
+            raise RewardError(
+                f"reward function {tracked.name!r}: {tracked.failures} failures and {tracked.timeouts} timeouts in "
+                f"{tracked.samples} samples, over max_failure_rate={spec.max_failure_rate}"
+            )
+        return values
 
     def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> RewardOutput:
         B = len(completions)
         total = torch.zeros(B, dtype=torch.float64)
         scored = torch.zeros(B, dtype=torch.bool)
         components = {}
-        for name, fn, weight in self.functions:
-            values = list(fn(prompts, completions, **columns))
-            if len(values) != B:
-                raise ValueError(f"reward function {name!r} returned {len(values)} values for {B} completions")
+        for tracked in self.functions:
+            values = self._scores(tracked, prompts, completions, columns)
             for b, value in enumerate(values):
                 if value is None:
                     continue
                 value = float(value)
                 if math.isnan(value):
-                    raise ValueError(
-                        f"reward function {name!r} returned NaN for completion {b} (prompt {prompts[b]!r}, "
+                    raise RewardError(
+                        f"reward function {tracked.name!r} returned NaN for completion {b} (prompt {prompts[b]!r}, "
                         f"completion {completions[b]!r}); return None for 'not applicable'"
                     )
-                total[b] += weight * value
+                total[b] += tracked.weight * value
                 scored[b] = True
-            components[name] = values
+            components[tracked.name] = values
         total = torch.where(scored, total, torch.nan).float()
-        return RewardOutput(total, components)
+        return RewardOutput(total, components, self.fault_counts())
+
+    def fault_counts(self) -> dict[str, float]:
+        out = {}
+        for t in self.functions:
+            out[f"reward/{t.name}/failures"] = t.failures
+            out[f"reward/{t.name}/timeouts"] = t.timeouts
+        return out

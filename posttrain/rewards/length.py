@@ -23,3 +23,14 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
 def length_penalty(length: int, per_token: float) -> float:
     """−per_token · |y|: a plain pressure against length (a counter to a reward model's length bias)."""
     return -per_token * length
+
+
+def soft_overlong(prompts, completions, max_length: int, buffer: int, **columns) -> list[float]:
+    """``overlong_penalty`` as a reward function, with lengths in characters (GRPO's ``overlong_buffer_fraction``
+    measures tokens instead). Compose it with any other reward: it is 0 below max_length − buffer."""
+    return [overlong_penalty(len(c), max_length, buffer) for c in completions]
+
+
+def per_token_length(prompts, completions, per_token: float, **columns) -> list[float]:
+    """``length_penalty`` as a reward function, lengths in characters."""
+    return [length_penalty(len(c), per_token) for c in completions]

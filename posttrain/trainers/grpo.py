@@ -317,6 +317,7 @@ class GRPOTrainer:
         for name, values in components.items():
             scored = [v for v in values[: groups * G] if v is not None]
             metrics[f"reward/{name}/mean"] = sum(scored) / len(scored) if scored else math.nan
+        metrics.update(self.rewards.fault_counts())
         scores, applicable = _scores_with_missing(scores, G)
         return rollout, scores, applicable, metrics
 
