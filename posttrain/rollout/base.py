@@ -105,6 +105,39 @@ class Rollout:
         )
 
 
+def build_rollout(
+    tokenizer,
+    rows: list[list[int]],
+    response_ids: torch.Tensor,
+    stop_ids: list[int],
+    stop_positions: torch.Tensor | None,
+    logprobs: torch.Tensor | None,
+    group_size: int,
+    temperature: float,
+) -> Rollout:
+    """A ``Rollout`` from the prompt rows (token lists, G consecutive copies of each prompt) and the
+    right-padded response ids an engine produced: masks, truncation flags and decoded texts."""
+    device = response_ids.device
+    prompt_ids, prompt_mask = left_pad(rows, tokenizer.pad_token_id)
+    response_mask, truncated = response_mask_from_ends(response_ids, stop_ids, stop_positions)
+    return Rollout(
+        prompt_ids=prompt_ids.to(device),
+        prompt_mask=prompt_mask.to(device),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        logprobs=None if logprobs is None else torch.where(response_mask.bool(), logprobs, 0.0),
+        truncated=truncated,
+        prompt_index=torch.arange(len(rows) // group_size, device=device).repeat_interleave(group_size),
+        prompts=[tokenizer.decode(r, skip_special_tokens=True) for r in rows],
+        responses=[
+            tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+            for ids, mask in zip(response_ids, response_mask, strict=True)
+        ],
+        group_size=group_size,
+        temperature=temperature,
+    )
+
+
 def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
     """One rollout from several: prompts re-padded on the left, responses on the right."""
     if len({r.group_size for r in rollouts}) != 1 or len({r.temperature for r in rollouts}) != 1:

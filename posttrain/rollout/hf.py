@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from posttrain.core import token_logprobs
-from posttrain.rollout.base import Rollout, SamplingParams, left_pad, response_mask_from_ends
+from posttrain.rollout.base import Rollout, SamplingParams, build_rollout, left_pad
 
 
 class _SamplingLogprobs:
@@ -134,24 +134,14 @@ class HFEngine:
         finally:
             self.model.train(was_training)
 
-        response_ids = sequences[:, P:]
-        logprobs = recorder.finish(sequences)
-        response_mask, truncated = response_mask_from_ends(
-            response_ids, stop_ids, stops.positions if params.stop_strings else None
-        )
-        return Rollout(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=response_ids,
-            response_mask=response_mask,
-            logprobs=torch.where(response_mask.bool(), logprobs, 0.0),
-            truncated=truncated,
-            prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(n),
-            prompts=[self.tokenizer.decode(r, skip_special_tokens=True) for r in rows],
-            responses=[
-                self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-                for ids, mask in zip(response_ids, response_mask, strict=True)
-            ],
-            group_size=n,
-            temperature=params.logprob_temperature,
+        stop_positions = stops.positions if params.stop_strings else None
+        return build_rollout(
+            self.tokenizer,
+            rows,
+            sequences[:, P:],
+            stop_ids,
+            stop_positions,
+            recorder.finish(sequences),
+            n,
+            params.logprob_temperature,
         )

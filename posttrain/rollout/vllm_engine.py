@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from posttrain.rollout.base import Rollout, SamplingParams, left_pad, response_mask_from_ends
+from posttrain.rollout.base import Rollout, SamplingParams, build_rollout
 from posttrain.rollout.hf import eos_token_ids
 
 
@@ -83,7 +83,6 @@ class VLLMEngine:
             for completion in output.outputs:
                 rows.append(list(prompt))
                 responses.append(list(completion.token_ids) or [self.tokenizer.pad_token_id])
-        prompt_ids, prompt_mask = left_pad(rows, self.tokenizer.pad_token_id)
         T = max(len(r) for r in responses)
         response_ids = torch.full((len(rows), T), self.tokenizer.pad_token_id, dtype=torch.long)
         stop_positions = torch.full((len(rows),), -1, dtype=torch.long)
@@ -91,22 +90,8 @@ class VLLMEngine:
             response_ids[i, : len(r)] = torch.tensor(r)
             if completion.finish_reason == "stop":  # EOS, a stop id or a stop string: ends at its last token
                 stop_positions[i] = len(r) - 1
-        response_mask, truncated = response_mask_from_ends(response_ids, stop_ids, stop_positions)
-        return Rollout(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=response_ids,
-            response_mask=response_mask,
-            logprobs=None,
-            truncated=truncated,
-            prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
-            prompts=[self.tokenizer.decode(r, skip_special_tokens=True) for r in rows],
-            responses=[
-                self.tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-                for ids, mask in zip(response_ids, response_mask, strict=True)
-            ],
-            group_size=n,
-            temperature=params.logprob_temperature,
+        return build_rollout(
+            self.tokenizer, rows, response_ids, stop_ids, stop_positions, None, n, params.logprob_temperature
         )
 
 

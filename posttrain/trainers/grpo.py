@@ -42,10 +42,9 @@ from posttrain.data import DataConfig, load_prompts
 from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty
 from posttrain.rollout import HFEngine, Rollout, SamplingParams, concat_rollouts
-from posttrain.trainers.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, to_dict
-from posttrain.trainers.loop import build_accelerator, build_optimizer, save_final, write_resolved_config
-from posttrain.trainers.metrics import MetricsLogger
+from posttrain.trainers.checkpoint import save_checkpoint
+from posttrain.trainers.config import OptimConfig, RunConfig, check_choice
+from posttrain.trainers.loop import build_accelerator, build_optimizer, optimizer_step, save_final, start_run
 from posttrain.trainers.online import (
     PhaseTimer,
     PromptSampler,
@@ -253,12 +252,6 @@ class GRPOTrainer:
 
     # -- 1-2. rollout and rewards ---------------------------------------------------------------
 
-    def _take(self, k: int) -> list:
-        """k prompts for this process; every process advances the shared cursor alike."""
-        acc = self.accelerator
-        indices = self.sampler.take(k * acc.num_processes)
-        return [self.prompts[i] for i in indices[acc.process_index * k : (acc.process_index + 1) * k]]
-
     def _score(self, rollout: Rollout, columns: dict) -> tuple[torch.Tensor, dict]:
         out = self.rewards(rollout.prompts, rollout.responses, columns)
         cfg = self.config
@@ -285,7 +278,12 @@ class GRPOTrainer:
                 break
             tries += 1
             with timer("generate"):
-                rollout, columns = sample(self.engine, self._take(need_all), cfg.sampling, G)
+                rollout, columns = sample(
+                    self.engine,
+                    self.sampler.take_for_process(need_all, self.prompts, self.accelerator),
+                    cfg.sampling,
+                    G,
+                )
             with timer("reward"):
                 scores, parts = self._score(rollout, columns)
             filled, _ = _scores_with_missing(scores, G)
@@ -388,10 +386,7 @@ class GRPOTrainer:
                         valid = sub_mask[s].bool()
                         entropy_sum += float(torch.where(valid, entropy, 0.0).sum())
                         entropy_tokens += float(valid.sum())
-                grad_norm = self._clip()
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                grad_norm = optimizer_step(acc, self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
                 result = minibatch.result(acc)
                 if first is None:
                     first = result
@@ -405,34 +400,14 @@ class GRPOTrainer:
         out["entropy"] = global_sum(acc, entropy_sum) / max(global_sum(acc, entropy_tokens), 1.0)
         return out
 
-    def _clip(self) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.config.optim.max_grad_norm is None:
-            norms = [p.grad.detach().norm() for p in params if p.grad is not None]
-            return float(torch.stack(norms).norm()) if norms else 0.0
-        return float(self.accelerator.clip_grad_norm_(params, self.config.optim.max_grad_norm))
-
     # -- the loop -------------------------------------------------------------------------------------
 
     def train(self, callbacks=()) -> dict:
         cfg, acc, device = self.config, self.accelerator, self.accelerator.device
+        state, logger = start_run(acc, cfg, self.total_steps, "grpo")
         start_step = 0
-        resume = resolve_resume(cfg.run.output_dir, cfg.run.resume_from)
-        if resume is not None:
-            state = load_checkpoint(acc, resume)
+        if state is not None:
             start_step, self.sampler.cursor = state["step"], state["prompt_cursor"]
-        if acc.is_main_process:
-            write_resolved_config(cfg.run.output_dir, cfg)
-        logger = MetricsLogger(
-            cfg.run.output_dir,
-            cfg.run.report_to,
-            to_dict(cfg),
-            enabled=acc.is_main_process,
-            progress_total=self.total_steps,
-            progress=cfg.run.progress,
-            run_name="grpo",
-        )
-        logger.advance(start_step)
         metrics: dict = {}
         for step in range(start_step, self.total_steps):
             t0, timer = time.perf_counter(), PhaseTimer()

@@ -155,22 +155,8 @@ def run_offline(
     accelerator.register_for_checkpointing(scheduler)
     saved = {role: (model if m is trainable.model else m) for role, m in trainable.saved.items()}
 
-    start_step = 0
-    resume = resolve_resume(run.output_dir, run.resume_from)
-    if resume is not None:
-        start_step = load_checkpoint(accelerator, resume)["step"]
-    if accelerator.is_main_process:
-        write_resolved_config(run.output_dir, config)
-    logger = MetricsLogger(
-        run.output_dir,
-        run.report_to,
-        to_dict(config),
-        enabled=accelerator.is_main_process,
-        progress_total=total_steps,
-        progress=run.progress,
-        run_name=Path(run.output_dir).name,
-    )
-    logger.advance(start_step)
+    state, logger = start_run(accelerator, config, total_steps, Path(run.output_dir).name)
+    start_step = 0 if state is None else state["step"]
     device = accelerator.device
 
     def evaluate() -> dict[str, float]:
@@ -209,10 +195,7 @@ def run_offline(
             tokens += batch.num_tokens
             for name, value in batch_sums.items():
                 sums[name] = sums.get(name, 0.0) + value.detach()
-        grad_norm = _clip(accelerator, model, config.optim.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, config.optim.max_grad_norm)
 
         done = step + 1
         totals = _reduce(accelerator, {**sums, "tokens": torch.tensor(float(tokens), device=device)}, local.item())
@@ -265,12 +248,44 @@ def save_final(accelerator, output_dir, models: dict, tokenizer) -> None:
     accelerator.wait_for_everyone()
 
 
-def _clip(accelerator, model, max_norm: float | None) -> float:
+def optimizer_step(accelerator, model, optimizer, scheduler, max_norm: float | None) -> float:
+    """Clip the gradient norm (when ``max_norm``), step the optimizer and the schedule, clear the
+    gradients. Returns the norm before clipping."""
     params = [p for p in model.parameters() if p.requires_grad]
     if max_norm is None:
         norms = [p.grad.detach().norm() for p in params if p.grad is not None]
-        return float(torch.stack(norms).norm()) if norms else 0.0
-    return float(accelerator.clip_grad_norm_(params, max_norm))
+        norm = float(torch.stack(norms).norm()) if norms else 0.0
+    else:
+        norm = float(accelerator.clip_grad_norm_(params, max_norm))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dict | None, MetricsLogger]:
+    """Resume from ``run.resume_from`` when set, write the resolved config, open the metric sinks.
+
+    Returns (the checkpoint's trainer state or None, the logger, already advanced to the step resumed).
+    """
+    run = config.run
+    state = None
+    resume = resolve_resume(run.output_dir, run.resume_from)
+    if resume is not None:
+        state = load_checkpoint(accelerator, resume)
+    if accelerator.is_main_process:
+        write_resolved_config(run.output_dir, config)
+    logger = MetricsLogger(
+        run.output_dir,
+        run.report_to,
+        to_dict(config),
+        enabled=accelerator.is_main_process,
+        progress_total=total_steps,
+        progress=run.progress,
+        run_name=run_name,
+    )
+    logger.advance(0 if state is None else state["step"])
+    return state, logger
 
 
 def _reduce(accelerator, sums: dict, count) -> tuple[dict[str, float], int]:

@@ -41,6 +41,12 @@ class PromptSampler:
             self.cursor += 1
         return out
 
+    def take_for_process(self, k: int, prompts: list, accelerator) -> list:
+        """This process's k prompts of the next k × processes: every process advances the cursor alike."""
+        indices = self.take(k * accelerator.num_processes)
+        mine = indices[accelerator.process_index * k : (accelerator.process_index + 1) * k]
+        return [prompts[i] for i in mine]
+
 
 class PhaseTimer:
     """Wall time per phase of a step (generate, reference, reward, train, ...), summed until read."""

@@ -52,10 +52,9 @@ from posttrain.models import (
 )
 from posttrain.rewards import RewardComposer, RewardSpec
 from posttrain.rollout import HFEngine, SamplingParams
-from posttrain.trainers.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, to_dict
-from posttrain.trainers.loop import build_accelerator, build_optimizer, save_final, write_resolved_config
-from posttrain.trainers.metrics import MetricsLogger
+from posttrain.trainers.checkpoint import save_checkpoint
+from posttrain.trainers.config import OptimConfig, RunConfig, check_choice
+from posttrain.trainers.loop import build_accelerator, build_optimizer, optimizer_step, save_final, start_run
 from posttrain.trainers.online import (
     PhaseTimer,
     PromptSampler,
@@ -351,9 +350,12 @@ class PPOTrainer:
                         },
                         weight,
                     )
-                grad_norm = self._step(self.model, self.optimizer, self.scheduler)
+                max_norm = cfg.optim.max_grad_norm
+                grad_norm = optimizer_step(acc, self.model, self.optimizer, self.scheduler, max_norm)
                 if not self.shared:
-                    critic_norm = self._step(self.critic, self.critic_optimizer, self.critic_scheduler)
+                    critic_norm = optimizer_step(
+                        acc, self.critic, self.critic_optimizer, self.critic_scheduler, max_norm
+                    )
                     stats.add({"critic_grad_norm": torch.tensor(critic_norm)}, 1.0)
                 result = minibatch.result(acc)
                 if first is None:
@@ -371,55 +373,25 @@ class PPOTrainer:
         out["policy/first_minibatch_clipfrac"] = first["clipfrac"]
         return out
 
-    def _step(self, model, optimizer, scheduler) -> float:
-        params = [p for p in model.parameters() if p.requires_grad]
-        max_norm = self.config.optim.max_grad_norm
-        if max_norm is None:
-            norms = [p.grad.detach().norm() for p in params if p.grad is not None]
-            norm = float(torch.stack(norms).norm()) if norms else 0.0
-        else:
-            norm = float(self.accelerator.clip_grad_norm_(params, max_norm))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    # -- the loop -------------------------------------------------------------------------------------
-
-    def _take(self, k: int) -> list:
-        acc = self.accelerator
-        indices = self.sampler.take(k * acc.num_processes)
-        return [self.prompts[i] for i in indices[acc.process_index * k : (acc.process_index + 1) * k]]
-
     def _saved_models(self) -> dict:
         return {"policy": self.model} if self.shared else {"policy": self.model, "critic": self.critic}
 
     def train(self, callbacks=()) -> dict:
         cfg, acc, device = self.config, self.accelerator, self.accelerator.device
+        state, logger = start_run(acc, cfg, self.total_steps, "ppo")
         start_step = 0
-        resume = resolve_resume(cfg.run.output_dir, cfg.run.resume_from)
-        if resume is not None:
-            state = load_checkpoint(acc, resume)
+        if state is not None:
             start_step, self.sampler.cursor, self.kl_coef = state["step"], state["prompt_cursor"], state["kl_coef"]
-        if acc.is_main_process:
-            write_resolved_config(cfg.run.output_dir, cfg)
-        logger = MetricsLogger(
-            cfg.run.output_dir,
-            cfg.run.report_to,
-            to_dict(cfg),
-            enabled=acc.is_main_process,
-            progress_total=self.total_steps,
-            progress=cfg.run.progress,
-            run_name="ppo",
-        )
-        logger.advance(start_step)
         metrics: dict = {}
         for step in range(start_step, self.total_steps):
             t0, timer = time.perf_counter(), PhaseTimer()
             # 1. rollout
             with timer("generate"):
                 rollout, columns = sample(
-                    self.engine, self._take(self.local_prompts), cfg.sampling, cfg.num_generations
+                    self.engine,
+                    self.sampler.take_for_process(self.local_prompts, self.prompts, acc),
+                    cfg.sampling,
+                    cfg.num_generations,
                 )
             mask = rollout.response_mask
             old_logprobs = rollout.logprobs
