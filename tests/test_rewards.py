@@ -138,7 +138,8 @@ def test_sandbox_stops_or_contains_hostile_code(name, tmp_path):
     assert result.score == 0.0 and result.reason, result
     assert not target.exists() and not tmp_target.exists()
     if name == "write outside" and IS_ROOT:
-        assert "Permission denied" in result.reason
+        # denied to the sandbox's user, or invisible when the checkout lies under the sandbox's private /tmp
+        assert "Permission denied" in result.reason or "No such file or directory" in result.reason
     if name == "socket" and IS_ROOT:
         assert "Network is unreachable" in result.reason
     if IS_ROOT:
