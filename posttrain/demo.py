@@ -1,9 +1,12 @@
-"""``posttrain demo``: the whole offline pipeline on a laptop CPU in about a minute, nothing downloaded.
+"""``posttrain demo``: the whole post-training pipeline on a laptop CPU in about a minute, nothing downloaded.
 
 1. build a tiny Llama and a character tokenizer from a seed;
-2. SFT it on two-digit sums ("12+34=" -> "46") and measure greedy exact-match accuracy on held-out sums;
-3. train a reward model from 4-way rankings and report its held-out pairwise accuracy;
-4. DPO the SFT model on (correct sum, wrong sum) pairs and measure the held-out accuracy again.
+2. SFT it on single-digit sums shown by a noisy demonstrator (off by one half the time): the model
+   copies the noise;
+3. GRPO with a verifiable reward (the true sum) removes it;
+4. DPO on (right sum, wrong sum) pairs from the same SFT model, for comparison;
+5. train a reward model from 4-way rankings (more vowels is better) and report its held-out accuracy;
+6. RLHF-PPO of the tiny model against that reward model: the score rises while the KL stays bounded.
 
 Every number printed is measured in the run; the run directories hold metrics.jsonl, TensorBoard
 events, the resolved configs and Hugging Face checkpoints of every model.
@@ -16,11 +19,14 @@ import random
 import time
 from pathlib import Path
 
-from posttrain.data.synthetic import arithmetic_sft, vowel_rankings
+import torch
+
+from posttrain.data.synthetic import arithmetic_sft, vowel_count, vowel_rankings
 from posttrain.models import ModelConfig, load_causal_lm, load_tokenizer
 from posttrain.models.tiny import build_tiny
 from posttrain.rollout import HFEngine, SamplingParams
 from posttrain.trainers.config import load_config
+from posttrain.trainers.metrics import read_metrics
 
 
 def _write(path: Path, rows: list[dict]) -> str:
@@ -29,120 +35,212 @@ def _write(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-def exact_match(model_dir: str, rows: list[dict]) -> float:
-    """Share of ``rows`` whose greedy completion is exactly the answer."""
+def accuracy(model_dir: str, rows: list[dict], temperature: float, samples: int = 4, seed: int = 0) -> float:
+    """Share of sampled completions (``samples`` per prompt) that are exactly the answer."""
     tokenizer = load_tokenizer(model_dir)
     engine = HFEngine(load_causal_lm(ModelConfig(path=model_dir, device="cpu")), tokenizer)
-    prompts = [tokenizer(r["prompt"]).input_ids for r in rows]
-    rollout = engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0))
-    return sum(r == row["answer"] for r, row in zip(rollout.responses, rows, strict=True)) / len(rows)
+    torch.manual_seed(seed)
+    n = 1 if temperature == 0 else samples
+    rollout = engine.generate(
+        [tokenizer(r["prompt"]).input_ids for r in rows], SamplingParams(max_new_tokens=4, temperature=temperature), n=n
+    )
+    answers = [r["answer"] for r in rows for _ in range(n)]
+    return sum(c == a for c, a in zip(rollout.responses, answers, strict=True)) / len(answers)
 
 
-def _wrong_pairs(rows: list[dict], seed: int) -> list[dict]:
+def _right_wrong_pairs(rows: list[dict], seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [
-        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": str(int(r["answer"]) + rng.choice([-10, -1, 1, 10]))}
+        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": str(int(r["answer"]) + rng.choice([-1, 1]))}
         for r in rows
     ]
 
 
 def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict:
-    from posttrain.trainers import dpo, rm, sft
+    from posttrain.trainers import dpo, grpo, ppo, rm, sft
 
     out_path = Path(out)
     start = time.perf_counter()
     scale = 0.2 if quick else 1.0
-    steps = {k: max(2, int(v * scale)) for k, v in {"sft": 1200, "rm": 60, "dpo": 100}.items()}
+    steps = {k: max(2, int(v * scale)) for k, v in {"sft": 300, "grpo": 60, "dpo": 60, "rm": 60, "ppo": 30}.items()}
     common = ["run.progress=false", "data.chat_template=never", f"run.seed={seed}"]
+    results: dict = {"steps": steps}
 
-    print("1. building a tiny Llama and a character tokenizer (offline, seed 0)")
+    print("1. building a tiny Llama and a character tokenizer (offline)")
     policy_dir = str(build_tiny(out_path / "tiny" / "policy", seed=seed))
-    held_out = arithmetic_sft(200, seed=seed + 1000)
-    results: dict = {"held_out_prompts": len(held_out)}
-    results["accuracy_before_sft"] = exact_match(policy_dir, held_out)
+    held_out = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]  # all 100 sums
 
-    print(f"2. SFT on two-digit sums ({steps['sft']} steps)")
-    sft_data = _write(out_path / "data" / "sft.jsonl", arithmetic_sft(3000, seed=seed))
-    sft_config = load_config(
-        sft.SFTConfig,
-        None,
-        common
-        + [
-            f"model.path={policy_dir}",
-            f"data.path={sft_data}",
-            f"run.output_dir={out_path / 'sft'}",
-            f"run.max_steps={steps['sft']}",
-            "run.batch_size=32",
-            "optim.lr=3e-3",
-            "optim.warmup_steps=10",
-            "optim.scheduler=cosine",
-            "data.max_length=32",
-        ],
+    print(f"2. SFT on single-digit sums from a demonstrator that is off by one half the time ({steps['sft']} steps)")
+    sft_data = _write(out_path / "data" / "sft.jsonl", arithmetic_sft(2000, seed=seed, low=0, high=9, noise=0.5))
+    sft.train(
+        load_config(
+            sft.SFTConfig,
+            None,
+            common
+            + [
+                f"model.path={policy_dir}",
+                f"data.path={sft_data}",
+                f"run.output_dir={out_path / 'sft'}",
+                f"run.max_steps={steps['sft']}",
+                "run.batch_size=32",
+                "optim.lr=3e-3",
+                "optim.scheduler=cosine",
+            ],
+        )
     )
-    sft_result = sft.train(sft_config)
     sft_dir = str(out_path / "sft" / "final" / "policy")
-    results["sft_final_loss"] = sft_result["final_metrics"]["loss"]
-    results["accuracy_after_sft"] = exact_match(sft_dir, held_out)
+    results["sft"] = {"sampled": accuracy(sft_dir, held_out, 1.0, seed=seed), "greedy": accuracy(sft_dir, held_out, 0)}
 
-    print(f"3. reward model from 4-way rankings ({steps['rm']} steps)")
-    rm_data = _write(out_path / "data" / "rankings.jsonl", vowel_rankings(800, k=4, seed=seed))
-    rm_config = load_config(
-        rm.RMConfig,
-        None,
-        common
-        + [
-            f"model.path={policy_dir}",
-            f"data.path={rm_data}",
-            f"run.output_dir={out_path / 'rm'}",
-            f"run.max_steps={steps['rm']}",
-            "run.batch_size=16",
-            "optim.lr=1e-3",
-            "data.eval_fraction=0.1",
-            "data_format=rankings",
-        ],
+    print(f"3. GRPO from the SFT model, reward = the sum is right ({steps['grpo']} steps)")
+    prompts = _write(
+        out_path / "data" / "prompts.jsonl",
+        [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(300, seed=seed + 1, low=0, high=9)],
     )
-    rm_result = rm.train(rm_config)
-    results["rm_eval_pairwise_accuracy"] = rm_result["eval_metrics"]["eval/accuracy"]
+    grpo.train(
+        load_config(
+            grpo.GRPOConfig,
+            None,
+            common
+            + [
+                f"model.path={sft_dir}",
+                f"data.path={prompts}",
+                f"run.output_dir={out_path / 'grpo'}",
+                f"run.max_steps={steps['grpo']}",
+                "run.batch_size=128",
+                "run.micro_batch_size=64",
+                "num_generations=8",
+                "num_iterations=2",
+                "kl_coef=0",
+                "optim.lr=5e-4",
+                "sampling.max_new_tokens=4",
+                "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]",
+            ],
+        )
+    )
+    grpo_dir = str(out_path / "grpo" / "final" / "policy")
+    rewards = [r["reward/mean"] for r in read_metrics(out_path / "grpo")]
+    results["grpo"] = {
+        "sampled": accuracy(grpo_dir, held_out, 1.0, seed=seed),
+        "greedy": accuracy(grpo_dir, held_out, 0),
+        "reward_first5": sum(rewards[:5]) / 5,
+        "reward_last5": sum(rewards[-5:]) / 5,
+    }
 
     print(f"4. DPO from the SFT model on (right sum, wrong sum) pairs ({steps['dpo']} steps)")
-    dpo_data = _write(out_path / "data" / "pairs.jsonl", _wrong_pairs(arithmetic_sft(1000, seed=seed + 2), seed))
-    dpo_config = load_config(
-        dpo.DPOConfig,
-        None,
-        common
-        + [
-            f"model.path={sft_dir}",
-            f"data.path={dpo_data}",
-            f"run.output_dir={out_path / 'dpo'}",
-            f"run.max_steps={steps['dpo']}",
-            "run.batch_size=16",
-            "optim.lr=5e-4",
-            "beta=0.1",
-            "reference=precompute",
-            "data.eval_fraction=0.1",
-        ],
+    pairs = _write(
+        out_path / "data" / "pairs.jsonl", _right_wrong_pairs(arithmetic_sft(1000, seed=seed + 2, low=0, high=9), seed)
     )
-    dpo_result = dpo.train(dpo_config)
-    results["dpo_eval_reward_accuracy"] = dpo_result["eval_metrics"]["eval/rewards/accuracy"]
-    results["dpo_eval_margin"] = dpo_result["eval_metrics"]["eval/rewards/margin"]
-    results["accuracy_after_dpo"] = exact_match(str(out_path / "dpo" / "final" / "policy"), held_out)
+    dpo_result = dpo.train(
+        load_config(
+            dpo.DPOConfig,
+            None,
+            common
+            + [
+                f"model.path={sft_dir}",
+                f"data.path={pairs}",
+                f"run.output_dir={out_path / 'dpo'}",
+                f"run.max_steps={steps['dpo']}",
+                "run.batch_size=32",
+                "optim.lr=5e-4",
+                "beta=0.1",
+                "reference=precompute",
+                "data.eval_fraction=0.1",
+            ],
+        )
+    )
+    dpo_dir = str(out_path / "dpo" / "final" / "policy")
+    results["dpo"] = {
+        "sampled": accuracy(dpo_dir, held_out, 1.0, seed=seed),
+        "greedy": accuracy(dpo_dir, held_out, 0),
+        "eval_reward_accuracy": dpo_result["eval_metrics"]["eval/rewards/accuracy"],
+    }
+
+    print(f"5. reward model from 4-way rankings, more vowels is better ({steps['rm']} steps)")
+    rm_data = _write(out_path / "data" / "rankings.jsonl", vowel_rankings(800, k=4, seed=seed))
+    rm_result = rm.train(
+        load_config(
+            rm.RMConfig,
+            None,
+            common
+            + [
+                f"model.path={policy_dir}",
+                f"data.path={rm_data}",
+                f"run.output_dir={out_path / 'rm'}",
+                f"run.max_steps={steps['rm']}",
+                "run.batch_size=16",
+                "optim.lr=2e-3",
+                "optim.scheduler=constant",
+                "data.eval_fraction=0.1",
+                "data_format=rankings",
+            ],
+        )
+    )
+    results["rm"] = {"eval_pairwise_accuracy": rm_result["eval_metrics"]["eval/accuracy"]}
+
+    print(f"6. RLHF-PPO of the tiny model against that reward model ({steps['ppo']} steps)")
+    ppo_prompts = _write(out_path / "data" / "ppo_prompts.jsonl", [{"prompt": "rank:"}] * 64)
+    ppo.train(
+        load_config(
+            ppo.PPOConfig,
+            None,
+            common
+            + [
+                f"model.path={policy_dir}",
+                f"reward_model.path={out_path / 'rm' / 'final' / 'reward'}",
+                f"data.path={ppo_prompts}",
+                f"run.output_dir={out_path / 'ppo'}",
+                f"run.max_steps={steps['ppo']}",
+                "run.batch_size=32",
+                "run.micro_batch_size=16",
+                "optim.lr=1e-3",
+                "sampling.max_new_tokens=8",
+                "sampling.min_new_tokens=8",
+                "kl_coef=0.05",
+            ],
+        )
+    )
+    records = read_metrics(out_path / "ppo")
+    tokenizer = load_tokenizer(policy_dir)
+    engine = HFEngine(load_causal_lm(ModelConfig(path=str(out_path / "ppo" / "final" / "policy"))), tokenizer)
+    torch.manual_seed(seed)
+    texts = engine.generate(
+        [tokenizer("rank:").input_ids], SamplingParams(max_new_tokens=8, min_new_tokens=8), n=64
+    ).responses
+    results["ppo"] = {
+        "score_first5": sum(r["score/mean"] for r in records[:5]) / 5,
+        "score_last5": sum(r["score/mean"] for r in records[-5:]) / 5,
+        "kl_per_sequence_last5": sum(r["kl/per_sequence"] for r in records[-5:]) / 5,
+        "vowel_share_after": sum(vowel_count(t) for t in texts) / max(1, sum(len(t) for t in texts)),
+        "samples_after": texts[:4],
+    }
     results["seconds"] = round(time.perf_counter() - start, 1)
     (out_path / "summary.json").write_text(json.dumps(results, indent=2))
     _print_summary(results, out_path)
     return results
 
 
-def _print_summary(results: dict, out_path: Path) -> None:
-    n = results["held_out_prompts"]
+def _print_summary(r: dict, out_path: Path) -> None:
     rows = [
-        ("exact-match accuracy on held-out sums, before SFT", f"{results['accuracy_before_sft']:.1%} of {n}"),
-        ("... after SFT", f"{results['accuracy_after_sft']:.1%}"),
-        ("... after DPO on right/wrong pairs", f"{results['accuracy_after_dpo']:.1%}"),
-        ("SFT final training loss (nats/token)", f"{results['sft_final_loss']:.3f}"),
-        ("reward model: held-out pairwise accuracy", f"{results['rm_eval_pairwise_accuracy']:.1%}"),
-        ("DPO: held-out implicit-reward accuracy", f"{results['dpo_eval_reward_accuracy']:.1%}"),
-        ("DPO: held-out reward margin", f"{results['dpo_eval_margin']:.3f}"),
-        ("wall time (s)", f"{results['seconds']}"),
+        ("accuracy on all 100 single-digit sums, sampled at T=1 / greedy", ""),
+        ("  after SFT on the noisy demonstrator", f"{r['sft']['sampled']:.1%} / {r['sft']['greedy']:.1%}"),
+        ("  after GRPO (reward: the sum is right)", f"{r['grpo']['sampled']:.1%} / {r['grpo']['greedy']:.1%}"),
+        ("  after DPO (right vs wrong pairs)", f"{r['dpo']['sampled']:.1%} / {r['dpo']['greedy']:.1%}"),
+        (
+            "GRPO mean reward, first 5 steps -> last 5",
+            f"{r['grpo']['reward_first5']:.3f} -> {r['grpo']['reward_last5']:.3f}",
+        ),
+        ("DPO held-out implicit-reward accuracy", f"{r['dpo']['eval_reward_accuracy']:.1%}"),
+        ("reward model held-out pairwise accuracy", f"{r['rm']['eval_pairwise_accuracy']:.1%}"),
+        (
+            "PPO reward-model score, first 5 steps -> last 5",
+            f"{r['ppo']['score_first5']:.2f} -> {r['ppo']['score_last5']:.2f}",
+        ),
+        ("PPO KL per sequence (last 5 steps)", f"{r['ppo']['kl_per_sequence_last5']:.2f}"),
+        (
+            "PPO samples after training (vowel share)",
+            f"{', '.join(r['ppo']['samples_after'])} ({r['ppo']['vowel_share_after']:.0%})",
+        ),
+        ("wall time (s)", f"{r['seconds']}"),
     ]
     width = max(len(k) for k, _ in rows)
     print("\nposttrain demo: results")

@@ -384,10 +384,13 @@ def test_demo_runs_end_to_end(tmp_path):
     from posttrain.demo import run_demo
 
     results = run_demo(str(tmp_path / "demo"), quick=True)
-    assert results["accuracy_before_sft"] == 0.0
-    assert results["sft_final_loss"] < 2.0
-    assert 0.0 <= results["accuracy_after_dpo"] <= 1.0
+    for stage in ("sft", "grpo", "dpo"):
+        assert 0.0 <= results[stage]["sampled"] <= 1.0 and 0.0 <= results[stage]["greedy"] <= 1.0
+    assert 0.5 <= results["rm"]["eval_pairwise_accuracy"] <= 1.0
+    assert results["ppo"]["score_last5"] > results["ppo"]["score_first5"]
     assert json.loads((tmp_path / "demo" / "summary.json").read_text()) == results
+    for stage in ("sft", "grpo", "dpo", "rm", "ppo"):
+        assert (tmp_path / "demo" / stage / "metrics.jsonl").is_file()
 
 
 def test_two_processes_with_ddp_match_one_process(tiny_dir, tmp_path):

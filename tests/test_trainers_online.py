@@ -435,3 +435,31 @@ def test_ppo_config_errors_name_the_field(tiny_dir, vowel_rm, tmp_path):
         load_config(PPOConfig, None, ["model.path=x", "data.path=y", EXACT])
     with pytest.raises(ValueError, match="kl_estimator must be one of"):
         _ppo(tiny_dir, vowel_rm, tmp_path, "bad", "kl_estimator=k4")
+
+
+def test_missing_eos_penalty_looks_at_the_response_only(tiny_dir, vowel_rm, tmp_path):
+    """PITFALLS #7: an EOS inside the prompt does not count; a response that ends in EOS is not penalised."""
+    from posttrain.trainers.ppo import PPOTrainer
+
+    trainer = PPOTrainer(_ppo(tiny_dir, vowel_rm, tmp_path, "eos", "missing_eos_penalty=2.0", "critic=policy"))
+    eos = trainer.tokenizer.eos_token_id
+    prompt = trainer.tokenizer("rank:").input_ids + [eos] + trainer.tokenizer("go").input_ids  # EOS in the prompt
+    policy = trainer.engine.model
+
+    def boost_eos_in_row_0(module, inputs, logits):
+        bias = torch.zeros_like(logits)
+        bias[0, ..., eos] = 60.0
+        return logits + bias
+
+    handle = policy.lm_head.register_forward_hook(boost_eos_in_row_0)
+    try:
+        from posttrain.rollout import SamplingParams
+
+        rollout = trainer.engine.generate([prompt, prompt], SamplingParams(max_new_tokens=6, min_new_tokens=2))
+    finally:
+        handle.remove()
+    assert rollout.truncated.tolist() == [False, True]
+    penalised, _ = trainer.scores(rollout, {})
+    trainer.config.missing_eos_penalty = None
+    plain, _ = trainer.scores(rollout, {})
+    assert (plain - penalised).tolist() == pytest.approx([0.0, 2.0])
