@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint clean
+.PHONY: demo test clean
 
 # torch first, pinned to the CPU build these machines hold locally; posttrain's own torch
 # requirement is a range that this version satisfies, so no other build is pulled over it.

@@ -185,3 +185,15 @@ def test_hh_rlhf_pairs_share_their_prompt(tokenizer):
     )
     assert len(report.skipped) == 4 and all("empty text" in s for s in report.skipped)
     assert report.kept == len(examples) > 2000
+
+
+def test_a_datasets_dataset_is_a_source_too(tokenizer):
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": " "}])
+    with pytest.raises(DataError, match=r"<.*>:2: field 'completion': empty text"):
+        load_sft(DataConfig(path="in-memory", chat_template="never"), tokenizer, rows)
+    examples, report = load_sft(
+        DataConfig(path="in-memory", chat_template="never", on_malformed="skip"), tokenizer, rows
+    )
+    assert len(examples) == 1 and len(report.skipped) == 1
