@@ -21,7 +21,7 @@ import time
 from posttrain.data import load_gsm8k
 from posttrain.rewards import RewardComposer, RewardSpec
 from posttrain.rewards.code import check_code
-from posttrain.rewards.sandbox import SANDBOX_ISOLATION
+from posttrain.rewards.sandbox import isolation_level
 
 PROGRAMS = {
     "correct": "def solve(a, b):\n    return a * b + 1",
@@ -73,7 +73,7 @@ def bench_code(n: int, workers: int, timeout: float) -> dict:
         "kinds": {k: kinds.count(k) for k in PROGRAMS},
         "mean_score_by_kind": by_kind,
         "statuses": {s: sum(r.status == s for r in results) for s in ("ok", "error", "crashed", "timeout")},
-        "isolation": SANDBOX_ISOLATION,
+        "isolation": isolation_level(),
     }
 
 

@@ -32,8 +32,10 @@ def main(root: str = "runs") -> None:
         [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(500, seed=1)],
     )
     write(root / "data" / "digit_sft_noisy.jsonl", arithmetic_sft(2000, seed=0, low=0, high=9, noise=0.5))
-    write(root / "data" / "digit_prompts.jsonl", [{"prompt": r["prompt"], "answer": r["answer"]}
-                                                   for r in arithmetic_sft(300, seed=1, low=0, high=9)])
+    write(
+        root / "data" / "digit_prompts.jsonl",
+        [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(300, seed=1, low=0, high=9)],
+    )
     write(root / "data" / "rank_prompts.jsonl", [{"prompt": "rank:"}] * 64)
     write(root / "data" / "vowel_pairs.jsonl", vowel_pairs(2000, seed=0))
     write(root / "data" / "vowel_rankings.jsonl", vowel_rankings(1000, k=4, seed=0))

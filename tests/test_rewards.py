@@ -16,7 +16,7 @@ from posttrain.rewards.format import regex_format, think_answer_format
 from posttrain.rewards.length import length_penalty, per_token_length, soft_overlong
 from posttrain.rewards.math import answers_match, extract_answer, math_answer, numbers_match
 from posttrain.rewards.model import combine_scores, reward_ensemble, reward_model
-from posttrain.rewards.sandbox import IS_ROOT, run_program
+from posttrain.rewards.sandbox import IS_ROOT, isolation_level, run_program
 
 
 def test_every_gsm8k_solution_scores_one_and_a_shuffled_answer_scores_zero():
@@ -137,13 +137,15 @@ def test_sandbox_stops_or_contains_hostile_code(name, tmp_path):
     assert elapsed < timeout + 1.0, elapsed
     assert result.score == 0.0 and result.reason, result
     assert not target.exists() and not tmp_target.exists()
+    namespaces = isolation_level() == "namespaces+uid"
     if name == "write outside" and IS_ROOT:
         # denied to the sandbox's user, or invisible when the checkout lies under the sandbox's private /tmp
         assert "Permission denied" in result.reason or "No such file or directory" in result.reason
-    if name == "socket" and IS_ROOT:
+    if name == "socket" and namespaces:
         assert "Network is unreachable" in result.reason
-    if IS_ROOT:
+    if namespaces:
         assert result.isolated
+    if IS_ROOT:
         assert _sandbox_processes() == []  # nothing the program started is still running
 
 

@@ -407,7 +407,16 @@ def test_two_processes_with_ddp_match_one_process(tiny_dir, tmp_path):
         "run.report_to=[jsonl]",
         "optim.lr=1e-3",
     ]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "posttrain.cli", "sft"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "posttrain.cli",
+        "sft",
+    ]
     two = subprocess.run(
         torchrun + args + [f"run.output_dir={tmp_path / 'two'}", "run.micro_batch_size=2"],
         capture_output=True,

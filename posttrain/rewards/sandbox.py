@@ -14,7 +14,7 @@ Each program runs in a fresh ``python -I`` process, started in its own session, 
 
 Without root none of the namespace or user-id steps is possible: the process, time, memory and
 environment limits still hold, but the code can reach the network and write wherever the current
-user can. ``SANDBOX_ISOLATION`` says which level is in force. The harness reports results on a
+user can. ``isolation_level()`` says which level is in force here. The harness reports results on a
 private pipe; it contains damage, it does not make results tamper-proof against code written to
 forge them.
 """
@@ -34,7 +34,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
-SANDBOX_ISOLATION = "namespaces+uid" if IS_ROOT else "rlimits-only"
 _FIRST_UID = 61000  # unprivileged user ids of the worker slots (root mode)
 
 
@@ -261,6 +260,21 @@ class _suppress:
 
     def __exit__(self, *exc):
         return exc[0] is not None and issubclass(exc[0], OSError | subprocess.TimeoutExpired)
+
+
+_LEVEL: list[str] = []
+
+
+def isolation_level() -> str:
+    """ "namespaces+uid", "uid" (root, but the kernel refused new namespaces) or "rlimits-only" (not root).
+
+    Probed once by running an empty program."""
+    if not _LEVEL:
+        if not IS_ROOT:
+            _LEVEL.append("rlimits-only")
+        else:
+            _LEVEL.append("namespaces+uid" if run_program("pass", timeout=10.0).isolated else "uid")
+    return _LEVEL[0]
 
 
 def run_programs(jobs: list[tuple[str, list[str]]], max_workers: int = 4, **limits) -> list[SandboxResult]:
