@@ -125,6 +125,8 @@ def test_grpo_mu_one_never_clips_and_kl_zero_loads_no_reference(noisy_sft, tmp_p
     assert all(r["policy/clipfrac"] == 0 for r in records)
     assert all(r["passes/reference"] == 0 and r["passes/old_logprobs"] == 0 for r in records)
     assert "kl/per_token" not in records[-1]
+    samples = [json.loads(line) for line in (tmp_path / "mu1" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 4 and {"step", "prompt", "completion", "score", "truncated"} <= set(samples[0])
 
 
 def test_grpo_kl_in_loss_and_in_reward(noisy_sft, tmp_path):

@@ -59,6 +59,7 @@ from posttrain.trainers.online import (
     reference_logprobs,
     response_metrics,
     sample,
+    write_samples,
 )
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
@@ -147,6 +148,8 @@ class GRPOConfig:
     """auto (adapter-off for LoRA, else a frozen copy), copy or adapter."""
     preset: str = "none"
     """grpo, dapo or dr_grpo: sets several knobs at once (printed at start); explicit settings win."""
+    log_completions: int = 4
+    """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
 
     def validate(self) -> None:
         self.model.validate("model")
@@ -465,6 +468,7 @@ class GRPOTrainer:
                     **{f"passes/{k}": v for k, v in self.passes.items()},
                 }
             )
+            write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
             logger.log(done, metrics, ("reward/mean", "kl/per_token", "policy/clipfrac"))
             logger.advance()
             if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:

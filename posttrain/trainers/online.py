@@ -76,6 +76,30 @@ def sample(engine: HFEngine, prompts: list[PromptExample], params: SamplingParam
     return rollout, columns
 
 
+def write_samples(accelerator, output_dir, step: int, rollout: Rollout, scores: torch.Tensor, n: int) -> None:
+    """Append the first ``n`` (prompt, completion, score) of this step to ``samples.jsonl``: the text the
+    numbers are about, to read next to metrics.jsonl (main process only)."""
+    if n <= 0 or not accelerator.is_main_process:
+        return
+    import json
+    from pathlib import Path
+
+    with open(Path(output_dir) / "samples.jsonl", "a", encoding="utf-8") as f:
+        for i in range(min(n, len(rollout))):
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "prompt": rollout.prompts[i],
+                        "completion": rollout.responses[i],
+                        "score": float(scores[i]),
+                        "truncated": bool(rollout.truncated[i]),
+                    }
+                )
+                + "\n"
+            )
+
+
 def micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 

@@ -68,6 +68,7 @@ from posttrain.trainers.online import (
     reference_logprobs,
     response_metrics,
     sample,
+    write_samples,
 )
 
 CRITIC_MODES = ("reward", "policy", "shared")
@@ -142,6 +143,8 @@ class PPOConfig:
     """Device of the frozen reference copy (e.g. cpu to offload); null = the training device."""
     reward_device: str | None = None
     """Device of the reward model (e.g. cpu to offload); null = the training device."""
+    log_completions: int = 4
+    """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
 
     def validate(self) -> None:
         self.model.validate("model")
@@ -449,6 +452,7 @@ class PPOTrainer:
                 self.kl_coef = adaptive_kl_coef(
                     self.kl_coef, kl_stats["kl/per_sequence"], cfg.kl_target, cfg.kl_horizon, cfg.run.batch_size
                 )
+            write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
             logger.log(done, metrics, ("score/mean", "kl/per_sequence", "policy/clipfrac"))
             logger.advance()
             if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
