@@ -262,3 +262,11 @@ def test_reward_spec_validation_names_the_field():
         RewardSpec("m:f", on_error="ignore").validate("rewards[0]")
     with pytest.raises(ValueError, match="isolation"):
         RewardSpec("m:f", isolation="docker").validate()
+
+
+def test_builtin_answer_rewards():
+    from posttrain.rewards.builtin import exact_answer, starts_with_answer
+
+    assert exact_answer(None, [" 46 ", "46;", "x"], ["46", "46", None]) == [1.0, 0.0, None]
+    # the TRL CPU benchmark's shaping: 1 for the right leading number, 0.1 for other digits, else 0
+    assert starts_with_answer(None, ["46;12", "4", "x46", "461"], ["46"] * 4) == [1.0, 0.1, 0.0, 0.1]

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("sft", "preference", "ranking", "prompt")
-
 
 class DataError(ValueError):
     """A row that does not fit its schema: ``where`` is "file:line", ``field`` the offending column."""
