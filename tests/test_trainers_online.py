@@ -117,12 +117,14 @@ def test_grpo_raises_reward_and_first_minibatch_ratio_is_one(noisy_sft, tmp_path
 
 
 def test_grpo_mu_one_never_clips_and_kl_zero_loads_no_reference(noisy_sft, tmp_path):
-    config = _grpo(noisy_sft, tmp_path, "mu1", "run.max_steps=3")
+    config = _grpo(noisy_sft, tmp_path, "mu1", "run.max_steps=3", "sampling.temperature=0.7")
     trainer = GRPOTrainer(config)
     assert trainer.reference is None  # kl_coef = 0: no reference model at all
     trainer.train()
     records = read_metrics(config.run.output_dir)
     assert all(r["policy/clipfrac"] == 0 for r in records)
+    # sampled at τ = 0.7, recomputed at τ = 0.7: still on-policy (PITFALLS #4)
+    assert all(abs(r["policy/ratio_max"] - 1) < 1e-5 and abs(r["policy/ratio_min"] - 1) < 1e-5 for r in records)
     assert all(r["passes/reference"] == 0 and r["passes/old_logprobs"] == 0 for r in records)
     assert "kl/per_token" not in records[-1]
     samples = [json.loads(line) for line in (tmp_path / "mu1" / "samples.jsonl").read_text().splitlines()]
