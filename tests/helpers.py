@@ -19,3 +19,13 @@ def assert_close(actual, expected, dtype: torch.dtype | None = None, **override)
     tol = dict(TOLERANCES[dtype or actual.dtype])
     tol.update(override)
     torch.testing.assert_close(actual, expected, **tol)
+
+
+def crash_at(step: int):
+    """A trainer callback that kills the run (KeyboardInterrupt) when ``step`` is done."""
+
+    def callback(done: int, metrics: dict) -> None:
+        if done == step:
+            raise KeyboardInterrupt
+
+    return callback

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from helpers import crash_at
 from safetensors.torch import load_file
 
 from posttrain.data.synthetic import arithmetic_sft, vowel_count, vowel_pairs, vowel_rankings
@@ -102,9 +103,7 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tiny_dir, tmp_pat
 
     crashed = _sft_config(tiny_dir, tmp_path, *common, name="crashed")
 
-    def crash(step, metrics):
-        if step == 4:  # after the checkpoint of step 3, before the end
-            raise KeyboardInterrupt
+    crash = crash_at(4)  # after the checkpoint of step 3, before the end
 
     with pytest.raises(KeyboardInterrupt):
         train_sft(crashed, callbacks=[crash])

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from helpers import crash_at
 from safetensors.torch import load_file
 
 from posttrain.core import aggregate_loss, group_advantages, kl_penalty, ppo_policy_loss
@@ -267,9 +268,7 @@ def test_grpo_resume_reproduces_the_uninterrupted_run(noisy_sft, tmp_path):
     train_grpo(straight)
     crashed = _grpo(noisy_sft, tmp_path, "crashed", *common)
 
-    def crash(step, metrics):
-        if step == 3:
-            raise KeyboardInterrupt
+    crash = crash_at(3)  # after the checkpoint of step 2, before the end
 
     with pytest.raises(KeyboardInterrupt):
         train_grpo(crashed, callbacks=[crash])
@@ -396,9 +395,7 @@ def test_ppo_resume_is_exact_with_adaptive_kl_state(tiny_dir, vowel_rm, tmp_path
     ]
     straight = train_ppo(_ppo(tiny_dir, vowel_rm, tmp_path, "straight", *common))
 
-    def crash(step, metrics):
-        if step == 3:
-            raise KeyboardInterrupt
+    crash = crash_at(3)  # after the checkpoint of step 2, before the end
 
     with pytest.raises(KeyboardInterrupt):
         train_ppo(_ppo(tiny_dir, vowel_rm, tmp_path, "crashed", *common), callbacks=[crash])

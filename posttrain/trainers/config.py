@@ -104,6 +104,15 @@ class RunConfig:
         check_choice(f"{name}.mixed_precision", self.mixed_precision, MIXED_PRECISION)
 
 
+def validate_sections(config) -> None:
+    """``validate(name)`` every section of a trainer config (model, data, optim, run, sampling, ...):
+    each field whose value is a dataclass with its own ``validate``, null sections skipped."""
+    for f in dataclasses.fields(config):
+        section = getattr(config, f.name)
+        if dataclasses.is_dataclass(section) and hasattr(section, "validate"):
+            section.validate(f.name)
+
+
 def check_choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")

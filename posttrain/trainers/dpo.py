@@ -25,7 +25,7 @@ from posttrain.models import (
     load_tokenizer,
     sequence_logprobs,
 )
-from posttrain.trainers.config import OptimConfig, RunConfig, check_choice
+from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, validate_sections
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
 
 REFERENCE_MODES = ("auto", "copy", "adapter", "precompute")
@@ -55,10 +55,7 @@ class DPOConfig:
     """A separate reference checkpoint; null = the starting policy."""
 
     def validate(self) -> None:
-        self.model.validate("model")
-        self.data.validate("data")
-        self.optim.validate("optim")
-        self.run.validate("run")
+        validate_sections(self)
         check_choice("loss_type", self.loss_type, DPO_KINDS)
         check_choice("reference", self.reference, REFERENCE_MODES)
         if self.beta <= 0:

@@ -43,7 +43,7 @@ from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty
 from posttrain.rollout import HFEngine, Rollout, SamplingParams, concat_rollouts
 from posttrain.trainers.checkpoint import save_checkpoint
-from posttrain.trainers.config import OptimConfig, RunConfig, check_choice
+from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, validate_sections
 from posttrain.trainers.loop import build_accelerator, build_optimizer, optimizer_step, save_final, start_run
 from posttrain.trainers.online import (
     PhaseTimer,
@@ -152,11 +152,7 @@ class GRPOConfig:
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
 
     def validate(self) -> None:
-        self.model.validate("model")
-        self.data.validate("data")
-        self.optim.validate("optim")
-        self.run.validate("run")
-        self.sampling.validate("sampling")
+        validate_sections(self)
         if not self.rewards:
             raise ValueError("rewards: at least one reward function is needed ({function: module:function})")
         for i, spec in enumerate(self.rewards):

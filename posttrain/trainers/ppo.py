@@ -53,7 +53,7 @@ from posttrain.models import (
 from posttrain.rewards import RewardComposer, RewardSpec
 from posttrain.rollout import HFEngine, SamplingParams
 from posttrain.trainers.checkpoint import save_checkpoint
-from posttrain.trainers.config import OptimConfig, RunConfig, check_choice
+from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, validate_sections
 from posttrain.trainers.loop import build_accelerator, build_optimizer, optimizer_step, save_final, start_run
 from posttrain.trainers.online import (
     PhaseTimer,
@@ -147,17 +147,11 @@ class PPOConfig:
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
 
     def validate(self) -> None:
-        self.model.validate("model")
-        if self.reward_model is not None:
-            self.reward_model.validate("reward_model")
+        validate_sections(self)
         if self.reward_model is None and not self.rewards:
             raise ValueError("a reward is needed: reward_model.path and/or rewards [{function: module:function}]")
         for i, spec in enumerate(self.rewards):
             spec.validate(f"rewards[{i}]")
-        self.data.validate("data")
-        self.optim.validate("optim")
-        self.run.validate("run")
-        self.sampling.validate("sampling")
         check_choice("critic", self.critic, CRITIC_MODES)
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)

@@ -29,7 +29,7 @@ from posttrain.data import (
 )
 from posttrain.data.rows import read_rows
 from posttrain.models import ModelConfig, load_causal_lm, load_scalar_model, load_tokenizer, sequence_scores
-from posttrain.trainers.config import OptimConfig, RunConfig, check_choice
+from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, validate_sections
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, save_final, split_train_eval
 
 DATA_FORMATS = ("auto", "pairs", "rankings")
@@ -61,10 +61,7 @@ class RMConfig:
     """Length limit of those samples."""
 
     def validate(self) -> None:
-        self.model.validate("model")
-        self.data.validate("data")
-        self.optim.validate("optim")
-        self.run.validate("run")
+        validate_sections(self)
         check_choice("data_format", self.data_format, DATA_FORMATS)
         if self.center_coef < 0:
             raise ValueError(f"center_coef must be >= 0, got {self.center_coef}")

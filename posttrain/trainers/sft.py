@@ -17,7 +17,7 @@ import torch
 from posttrain.core import masked_sum
 from posttrain.data import DataConfig, SequenceBatch, collate_packed, collate_sft, load_sft, pack_sft
 from posttrain.models import ModelConfig, load_policy, load_tokenizer, sequence_logprobs
-from posttrain.trainers.config import OptimConfig, RunConfig
+from posttrain.trainers.config import OptimConfig, RunConfig, validate_sections
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
 
 
@@ -37,10 +37,7 @@ class SFTConfig:
     """Pack several examples into each row of data.max_length tokens (position ids reset per example)."""
 
     def validate(self) -> None:
-        self.model.validate("model")
-        self.data.validate("data")
-        self.optim.validate("optim")
-        self.run.validate("run")
+        validate_sections(self)
         if self.packing and self.data.max_length is None:
             raise ValueError("packing needs data.max_length (the length of a packed row)")
 
