@@ -114,11 +114,13 @@ def build_rollout(
     logprobs: torch.Tensor | None,
     group_size: int,
     temperature: float,
+    padded_prompts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Rollout:
     """A ``Rollout`` from the prompt rows (token lists, G consecutive copies of each prompt) and the
-    right-padded response ids an engine produced: masks, truncation flags and decoded texts."""
+    right-padded response ids an engine produced: masks, truncation flags and decoded texts.
+    ``padded_prompts`` = (ids, mask) when the engine already left-padded the rows."""
     device = response_ids.device
-    prompt_ids, prompt_mask = left_pad(rows, tokenizer.pad_token_id)
+    prompt_ids, prompt_mask = padded_prompts or left_pad(rows, tokenizer.pad_token_id)
     response_mask, truncated = response_mask_from_ends(response_ids, stop_ids, stop_positions)
     return Rollout(
         prompt_ids=prompt_ids.to(device),

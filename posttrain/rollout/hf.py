@@ -144,4 +144,5 @@ class HFEngine:
             recorder.finish(sequences),
             n,
             params.logprob_temperature,
+            (prompt_ids, prompt_mask),
         )
