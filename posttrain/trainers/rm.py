@@ -28,8 +28,22 @@ from posttrain.data import (
     load_rankings,
 )
 from posttrain.data.rows import read_rows
-from posttrain.models import ModelConfig, load_causal_lm, load_scalar_model, load_tokenizer, sequence_scores
-from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, validate_sections
+from posttrain.models import (
+    ModelConfig,
+    RewardScorer,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    sequence_scores,
+)
+from posttrain.trainers.config import (
+    PLACED_BY_ACCELERATE,
+    OptimConfig,
+    RunConfig,
+    check_choice,
+    reject_ignored,
+    validate_sections,
+)
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, save_final, split_train_eval
 
 DATA_FORMATS = ("auto", "pairs", "rankings")
@@ -62,6 +76,13 @@ class RMConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        reject_ignored(
+            self,
+            {
+                "model.device": PLACED_BY_ACCELERATE,
+                "model.lora": "reward models train every weight (LoRA reward models are not supported yet)",
+            },
+        )
         check_choice("data_format", self.data_format, DATA_FORMATS)
         if self.center_coef < 0:
             raise ValueError(f"center_coef must be >= 0, got {self.center_coef}")
@@ -94,7 +115,7 @@ class RMTask:
         return len(batch.ks)
 
     def loss(self, model, batch: RankingBatch):
-        scores = sequence_scores(model, batch.sequences.input_ids, batch.sequences.attention_mask)
+        scores = model(batch.sequences.input_ids, batch.sequences.attention_mask)  # a RewardScorer
         loss_sum = scores.new_zeros(())
         sums = {k: scores.new_zeros(()) for k in ("correct", "pairs", "margin", "score", "score_sq", "responses")}
         for ranking in torch.split(scores, batch.ks):  # rankings may differ in K
@@ -146,10 +167,11 @@ def train(config: RMConfig, callbacks=()) -> dict:
     accelerator.print(f"[rm] data: {report.summary()}")
     train_examples, eval_examples = split_train_eval(examples, config.data.eval_fraction, config.run.seed)
     model = load_scalar_model(replace(config.model, device="cpu"), "reward")
+    scorer = RewardScorer(model)  # trained through its forward: DDP synchronises its gradients
     task = RMTask(tokenizer.pad_token_id, config.margin, config.center_coef)
     result = run_offline(
         task,
-        Trainable(model, {"reward": model}),
+        Trainable(scorer, {"reward": scorer}),
         train_examples,
         eval_examples,
         config,
@@ -160,7 +182,6 @@ def train(config: RMConfig, callbacks=()) -> dict:
     )
     result["data_report"] = report.summary()
     if config.normalize_policy:
-        model = accelerator.unwrap_model(model)
         result["normalization"] = normalize_reward(model, tokenizer, config, accelerator.device)
         save_final(accelerator, config.run.output_dir, {"reward": model}, tokenizer)
     return result
