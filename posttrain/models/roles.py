@@ -105,7 +105,8 @@ def _score_head(model: nn.Module) -> nn.Module:
 
 
 def _hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    backbone = model.base_model  # the transformer without its task head (LlamaModel, Qwen2Model, ...)
+    # the transformer without its task head (LlamaModel, Qwen2Model, ...); a LoRA model's has the adapter in it
+    backbone = (model.get_base_model() if is_peft_model(model) else model).base_model
     out = backbone(
         input_ids=input_ids,
         attention_mask=attention_mask,
