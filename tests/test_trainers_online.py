@@ -181,7 +181,7 @@ def test_presets_print_their_knobs_and_match_core_by_hand(noisy_sft, tmp_path, p
             for s in (slice(0, 32), slice(32, 64))
         ]
     )
-    advantages = trainer.advantages(scores, kl_penalty(rollout.logprobs, ref, config.kl_estimator), mask)
+    advantages = trainer.advantages(scores, applicable, kl_penalty(rollout.logprobs, ref, config.kl_estimator), mask)
     assert torch.equal(advantages, group_advantages(scores, 8, scale=expected["scale_rewards"]))
     with torch.no_grad():
         logprobs, _ = response_logprobs(

@@ -65,14 +65,28 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size)
 
 
-def _zero_constant_groups(grouped: torch.Tensor, centered: torch.Tensor) -> torch.Tensor:
-    """Exactly 0 for a group whose rewards are all equal: r − mean can leave a float residue that a
-    std-division turns into huge advantages (PITFALLS #9)."""
-    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
-    return torch.where(constant, 0.0, centered)
+def _scored(grouped: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scored [P, G] bool, rewards with 0 where unscored [P, G], scored count per group [P, 1])."""
+    scored = torch.ones_like(grouped, dtype=torch.bool) if mask is None else mask.view_as(grouped).bool()
+    return scored, torch.where(scored, grouped, 0.0), scored.sum(dim=1, keepdim=True)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+def _zero_constant_groups(grouped: torch.Tensor, centered: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Exactly 0 for a group whose scored rows are all equal (or fewer than two), and for unscored rows:
+    r − mean can leave a float residue that a std-division turns into huge advantages (PITFALLS #9)."""
+    high = torch.where(scored, grouped, -torch.inf).amax(dim=1, keepdim=True)
+    low = torch.where(scored, grouped, torch.inf).amin(dim=1, keepdim=True)
+    flat = (high <= low) | (scored.sum(dim=1, keepdim=True) < 2)
+    return torch.where(flat | ~scored, 0.0, centered)
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    scale: str = "group",
+    eps: float = 1e-4,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """GRPO outcome advantages (Shao et al. 2024, DeepSeekMath §4.1.2):
 
         group:  A_i = (r_i − mean_g) / (std_g + eps)
@@ -80,26 +94,36 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         none:   A_i =  r_i − mean_g                       (Dr. GRPO, Liu et al. 2025: no std scaling)
 
     rewards: [B] in consecutive groups of ``group_size`` responses to one prompt (B = P·G).
-    std uses Bessel's correction. A constant group gives exactly 0. Returns [B].
+    mask: [B], 1 = scored; mean and std are taken over a group's scored rows only and an unscored row
+    (a reward function returned None) gets 0: filling it in would shrink the std. Default: all scored.
+    std uses Bessel's correction. A constant group, or one with fewer than two scored rows, gives
+    exactly 0. Returns [B].
     """
     grouped = _grouped(rewards, group_size)
-    centered = _zero_constant_groups(grouped, grouped - grouped.mean(dim=1, keepdim=True))
+    scored, values, n = _scored(grouped, mask)
+    mean = values.sum(dim=1, keepdim=True) / n.clamp(min=1)
+    deviation = torch.where(scored, grouped - mean, 0.0)
+    centered = _zero_constant_groups(grouped, deviation, scored)
     if scale == "group":
-        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+        std = (deviation.square().sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+        centered = centered / (std + eps)
     elif scale == "batch":
-        centered = centered / (rewards.std() + eps)
+        centered = centered / (rewards[scored.reshape(-1)].std() + eps)
     elif scale != "none":
         raise ValueError(f"scale must be one of ('group', 'batch', 'none'), got {scale!r}")
     return centered.reshape(-1)
 
 
-def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, group_size: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024):
 
         A_i = r_i − (Σ_{j≠i} r_j) / (G − 1)
 
-    rewards: [B] in consecutive groups of ``group_size``. A constant group gives exactly 0. Returns [B].
+    rewards: [B] in consecutive groups of ``group_size``. mask: [B], 1 = scored: the baseline averages
+    the other *scored* rows of the group (n − 1 of them) and an unscored row gets 0. A constant group,
+    or one with fewer than two scored rows, gives exactly 0. Returns [B].
     """
     grouped = _grouped(rewards, group_size)
-    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    return _zero_constant_groups(grouped, grouped - others_mean).reshape(-1)
+    scored, values, n = _scored(grouped, mask)
+    others_mean = (values.sum(dim=1, keepdim=True) - values) / (n - 1).clamp(min=1)
+    return _zero_constant_groups(grouped, grouped - others_mean, scored).reshape(-1)

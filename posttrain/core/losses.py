@@ -131,6 +131,7 @@ def value_loss(
     mask: torch.Tensor,
     clip_range: float | None = None,
     agg: str = "token-mean",
+    norm_length: int | None = None,
 ) -> torch.Tensor:
     """Clipped value loss (PPO2 baselines; Huang et al., "37 Implementation Details", detail 9):
 
@@ -138,7 +139,8 @@ def value_loss(
 
     and ½ · aggregate((V − R)²) without ``clip_range``.
     values: [B, T] from the critic being trained; old_values: [B, T] at rollout time;
-    returns: [B, T] (``gae``); mask: [B, T], 1 = response token. Returns a scalar.
+    returns: [B, T] (``gae``); mask: [B, T], 1 = response token; norm_length: L of
+    ``seq-mean-token-sum-norm``. Returns a scalar.
     """
     mask = mask.bool()
     values, returns = zero_masked(values, mask), zero_masked(returns, mask)
@@ -147,7 +149,7 @@ def value_loss(
         old_values = zero_masked(old_values, mask)
         values_clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
         per_token = torch.maximum(per_token, (values_clipped - returns).square())
-    return 0.5 * aggregate_loss(per_token, mask, agg)
+    return 0.5 * aggregate_loss(per_token, mask, agg, norm_length)
 
 
 def dpo_loss(

@@ -105,7 +105,8 @@ def _score_head(model: nn.Module) -> nn.Module:
 
 
 def _hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    backbone = model.base_model  # the transformer without its task head (LlamaModel, Qwen2Model, ...)
+    # the transformer without its task head (LlamaModel, Qwen2Model, ...); a LoRA model's has the adapter in it
+    backbone = (model.get_base_model() if is_peft_model(model) else model).base_model
     out = backbone(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -145,6 +146,39 @@ def token_values(
     """
     hidden = _hidden_states(model, input_ids, attention_mask)[:, -response_length - 1 : -1]  # [B, T, H]
     return _score_head(model)(hidden).squeeze(-1).float()
+
+
+class _ScalarRole(nn.Module):
+    """A reward or value model behind a ``forward`` that returns what a trainer needs from it.
+
+    accelerate wraps a trained model (DDP, FSDP) and synchronises gradients only through the
+    wrapper's ``forward``; ``sequence_scores`` and ``token_values`` read the backbone and the head
+    separately, so the trained reward model or critic is prepared as this module and called as
+    ``model(input_ids, attention_mask, ...)``. Saves as the inner Hugging Face model.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def save_pretrained(self, path, state_dict: dict | None = None, **kwargs) -> None:
+        state_dict = self.state_dict() if state_dict is None else state_dict
+        inner = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        self.model.save_pretrained(path, state_dict=inner, **kwargs)
+
+
+class RewardScorer(_ScalarRole):
+    """``forward(input_ids, attention_mask)`` = ``sequence_scores`` of the reward model, [B]."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return sequence_scores(self.model, input_ids, attention_mask)
+
+
+class ValueModel(_ScalarRole):
+    """``forward(input_ids, attention_mask, response_length)`` = ``token_values`` of the critic, [B, T]."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
+        return token_values(self.model, input_ids, attention_mask, response_length)
 
 
 # --------------------------------------------------------------------------------------------------

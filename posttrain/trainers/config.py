@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -113,6 +115,25 @@ def validate_sections(config) -> None:
             section.validate(f.name)
 
 
+PLACED_BY_ACCELERATE = (
+    "the trainers place models with accelerate (one process per device: CUDA_VISIBLE_DEVICES, accelerate "
+    "launch / torchrun); leave it at auto"
+)
+
+
+def reject_ignored(config, ignored: dict[str, str]) -> None:
+    """Fail at start when a field the trainer does not use is set to anything but its default, instead
+    of accepting it silently. ignored: {"section.field": what to do instead}; null sections skipped."""
+    for dotted, instead in ignored.items():
+        section_name, name = dotted.split(".")
+        section = getattr(config, section_name)
+        if section is None:
+            continue
+        (default,) = [f.default for f in dataclasses.fields(section) if f.name == name]
+        if getattr(section, name) != default:
+            raise ValueError(f"{dotted}={getattr(section, name)!r} is not used by this trainer: {instead}")
+
+
 def check_choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
@@ -121,6 +142,25 @@ def check_choice(name: str, value, allowed) -> None:
 # --------------------------------------------------------------------------------------------------
 # YAML and key=value
 # --------------------------------------------------------------------------------------------------
+
+
+class _YAMLLoader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true/false. YAML 1.1 also reads yes/no/on/off as booleans, which turned
+    ``run.mixed_precision=no`` into False; bool fields still accept those words (``_convert``)."""
+
+
+_YAMLLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def parse_yaml(text: str):
+    """``yaml.safe_load`` with YAML 1.2 booleans (see ``_YAMLLoader``)."""
+    return yaml.load(text, Loader=_YAMLLoader)
 
 
 def _convert(value: Any, annotation, where: str):
@@ -148,21 +188,21 @@ def _convert(value: Any, annotation, where: str):
     if origin is list:
         (item,) = typing.get_args(annotation)
         if isinstance(value, str):
-            value = yaml.safe_load(value) if value.startswith("[") else [v for v in value.split(",") if v]
+            value = parse_yaml(value) if value.startswith("[") else [v for v in value.split(",") if v]
         if not isinstance(value, list | tuple):
             raise ValueError(f"{where} must be a list")
         return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict or annotation is dict:
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = parse_yaml(value)
         if not isinstance(value, dict):
             raise ValueError(f"{where} must be a mapping")
         return dict(value)
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
         raise ValueError(f"{where} must be true or false, got {value!r}")
     if annotation in (int, float):
         if isinstance(value, bool):
@@ -215,7 +255,7 @@ def apply_override(data: dict, cls, assignment: str) -> None:
                 f"unknown config key {key!r}: {prefix + '.' if prefix else ''}{part} is not one of {', '.join(names)}"
             )
         if depth == len(parts) - 1:
-            node[part] = yaml.safe_load(raw) if raw.strip() else ""
+            node[part] = parse_yaml(raw) if raw.strip() else ""
             return
         annotation = typing.get_type_hints(node_cls)[part]
         options = [a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)] or [annotation]
@@ -229,26 +269,38 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] = ()):
     """``cls`` from a YAML file (optional) and ``key=value`` overrides, validated."""
     data: dict = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        loaded = parse_yaml(Path(path).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: a config file must be a YAML mapping")
         data = loaded
     for assignment in overrides:
         apply_override(data, cls, assignment)
-    presets = getattr(cls, "PRESETS", None)
-    if presets is not None and data.get("preset", "none") != "none":
-        check_choice("preset", data["preset"], ["none", *presets])
-        data = _merge(presets[data["preset"]], data)  # the preset's knobs, under what the user set
     config = from_dict(cls, data)
     config.validate()
     return config
 
 
-def _merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+def with_presets(cls):
+    """Class decorator for a config with ``PRESETS`` ({name: {field: value}}) and a ``preset`` field:
+    ``cls(preset=name, ...)`` takes the preset's value for every field of the preset that the
+    constructor was not given; the ones given win. YAML files, ``key=value`` overrides (``from_dict``
+    passes only the keys set) and Python construct the config alike, so all three resolve a preset the
+    same way and ``dataclasses.replace`` (every field given) keeps the values resolved."""
+    init = cls.__init__
+    names = [f.name for f in dataclasses.fields(cls)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.preset != "none":
+            check_choice("preset", self.preset, ["none", *cls.PRESETS])
+            given = set(names[: len(args)]) | set(kwargs)
+            for key, value in cls.PRESETS[self.preset].items():
+                if key not in given:
+                    setattr(self, key, value)
+
+    cls.__init__ = __init__
+    return cls
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -25,7 +25,14 @@ from posttrain.models import (
     load_tokenizer,
     sequence_logprobs,
 )
-from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, validate_sections
+from posttrain.trainers.config import (
+    PLACED_BY_ACCELERATE,
+    OptimConfig,
+    RunConfig,
+    check_choice,
+    reject_ignored,
+    validate_sections,
+)
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
 
 REFERENCE_MODES = ("auto", "copy", "adapter", "precompute")
@@ -56,6 +63,7 @@ class DPOConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        reject_ignored(self, {"model.device": PLACED_BY_ACCELERATE})
         check_choice("loss_type", self.loss_type, DPO_KINDS)
         check_choice("reference", self.reference, REFERENCE_MODES)
         if self.beta <= 0:

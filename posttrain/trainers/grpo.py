@@ -43,7 +43,15 @@ from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty
 from posttrain.rollout import HFEngine, Rollout, SamplingParams, concat_rollouts
 from posttrain.trainers.checkpoint import save_checkpoint
-from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, validate_sections
+from posttrain.trainers.config import (
+    PLACED_BY_ACCELERATE,
+    OptimConfig,
+    RunConfig,
+    check_choice,
+    reject_ignored,
+    validate_sections,
+    with_presets,
+)
 from posttrain.trainers.loop import build_accelerator, build_optimizer, optimizer_step, save_final, start_run
 from posttrain.trainers.online import (
     PhaseTimer,
@@ -59,6 +67,7 @@ from posttrain.trainers.online import (
     reference_logprobs,
     response_metrics,
     sample,
+    split_minibatches,
     write_samples,
 )
 
@@ -67,6 +76,7 @@ REWARD_SCALES = ("group", "batch", "none")
 KL_PLACEMENTS = ("loss", "reward")
 
 
+@with_presets
 @dataclass
 class GRPOConfig:
     """posttrain grpo. ``run.batch_size`` counts completions per step (prompts × num_generations)."""
@@ -153,6 +163,14 @@ class GRPOConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        reject_ignored(
+            self,
+            {
+                "model.device": PLACED_BY_ACCELERATE,
+                "run.eval_every": "held-out evaluation is not implemented in grpo yet; leave it null",
+                "data.eval_fraction": "held-out evaluation is not implemented in grpo yet; leave it 0",
+            },
+        )
         if not self.rewards:
             raise ValueError("rewards: at least one reward function is needed ({function: module:function})")
         for i, spec in enumerate(self.rewards):
@@ -175,6 +193,12 @@ class GRPOConfig:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_in == "loss" and self.kl_coef > 0 and self.kl_estimator == "k1":
+            raise ValueError(
+                "kl_estimator=k1 with kl_in=loss: the gradient of k1 = log π − log π_ref on on-policy samples is "
+                "∇log π, whose expectation is 0, so the loss would not pull towards the reference; use k2 "
+                "(its gradient is ∇KL(π‖π_ref)) or k3 (DeepSeekMath's choice), or kl_in=reward for k1"
+            )
         if not 0 <= self.overlong_buffer_fraction <= 1:
             raise ValueError(f"overlong_buffer_fraction must be in [0, 1], got {self.overlong_buffer_fraction}")
         if not 0 < self.clip_low < 1 or (self.clip_high is not None and self.clip_high <= 0):
@@ -199,7 +223,9 @@ class GRPOConfig:
 
 
 def _scores_with_missing(total: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows no reward function scored get their group's mean (advantage 0) and are left out of the loss."""
+    """(scores, applicable [B] bool). Rows no reward function scored are not applicable: their group
+    statistics leave them out, their advantage is 0 and the loss masks them. Their score is filled with
+    the group's mean, so a group is constant (dynamic sampling) exactly when its scored rows are."""
     applicable = ~torch.isnan(total)
     grouped = total.view(-1, group_size)
     valid = applicable.view(-1, group_size)
@@ -228,6 +254,11 @@ class GRPOTrainer:
         if config.prompts_per_step % world:
             raise ValueError(f"prompts per step ({config.prompts_per_step}) must split evenly over {world} processes")
         self.local_prompts = config.prompts_per_step // world
+        if config.minibatches > self.local_prompts * config.num_generations:
+            raise ValueError(
+                f"minibatches={config.minibatches} is more than the {self.local_prompts * config.num_generations} "
+                f"completions each of the {world} process(es) holds per step (run.batch_size={config.run.batch_size})"
+            )
         self.rewards = RewardComposer.from_specs(config.rewards)
 
         policy = load_policy(replace(config.model, device="cpu"))
@@ -320,8 +351,11 @@ class GRPOTrainer:
 
     # -- 4. advantages ----------------------------------------------------------------------------
 
-    def advantages(self, scores: torch.Tensor, kl: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
-        """[B] (grpo, rloo) or [B, T] (reinforce++) advantages from the sequence scores."""
+    def advantages(
+        self, scores: torch.Tensor, applicable: torch.Tensor, kl: torch.Tensor | None, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """[B] (grpo, rloo) or [B, T] (reinforce++) advantages from the sequence scores; group statistics
+        over the applicable (scored) rows only."""
         cfg, acc, G = self.config, self.accelerator, self.config.num_generations
         kl_reward = cfg.kl_in == "reward" and kl is not None
         if cfg.advantage_estimator == "reinforce++":
@@ -336,24 +370,24 @@ class GRPOTrainer:
         if kl_reward:
             scores = scores - cfg.kl_coef * torch.where(mask.bool(), kl, 0.0).sum(-1)
         if cfg.advantage_estimator == "rloo":
-            return rloo_advantages(scores, G)
+            return rloo_advantages(scores, G, mask=applicable)
         # group statistics need the whole batch only for scale=batch; gather keeps groups whole
-        all_scores = acc.gather(scores) if acc.num_processes > 1 else scores
-        start = acc.process_index * len(scores)
-        return group_advantages(all_scores, G, scale=cfg.scale_rewards)[start : start + len(scores)]
+        if acc.num_processes == 1:
+            return group_advantages(scores, G, cfg.scale_rewards, mask=applicable)
+        start, local = acc.process_index * len(scores), len(scores)
+        everyone = group_advantages(acc.gather(scores), G, cfg.scale_rewards, mask=acc.gather(applicable.long()))
+        return everyone[start : start + local]
 
     # -- 5. policy update ---------------------------------------------------------------------------
 
     def update(self, step: int, rollout: Rollout, old_logprobs, ref_logprobs, advantages, mask) -> dict:
         cfg, acc, device = self.config, self.accelerator, self.accelerator.device
         world, B = acc.num_processes, len(rollout)
-        size = max(1, B // cfg.minibatches)
         stats, first, entropy_sum, entropy_tokens = StatsAccumulator(), None, 0.0, 0.0
         for iteration in range(cfg.num_iterations):
             generator = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step * 1_009 + iteration)
             order = torch.randperm(B, generator=generator) if cfg.minibatches > 1 else torch.arange(B)
-            for m in range(cfg.minibatches):
-                rows = order[m * size : (m + 1) * size].tolist()
+            for rows in split_minibatches(order, cfg.minibatches):  # B varies with dynamic sampling
                 sub = rollout.select(rows)
                 sub_mask, sub_adv, sub_old = mask[rows], advantages[rows], old_logprobs[rows]
                 sub_ref = None if ref_logprobs is None or cfg.kl_in != "loss" else ref_logprobs[rows]
@@ -441,7 +475,7 @@ class GRPOTrainer:
                 kl = kl_penalty(old_logprobs, ref_logprobs, "k1" if cfg.kl_in == "reward" else cfg.kl_estimator)
                 metrics.update(kl_metrics(acc, kl, mask))
             # 4. advantages
-            advantages = self.advantages(scores, kl, mask)
+            advantages = self.advantages(scores, applicable, kl, mask)
             adv_tokens = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
             metrics.update(advantage_metrics(acc, adv_tokens, mask))
             # 5. μ iterations over minibatches of the clipped surrogate
@@ -465,7 +499,8 @@ class GRPOTrainer:
                 }
             )
             write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
-            logger.log(done, metrics, ("reward/mean", "kl/per_token", "policy/clipfrac"))
+            if done % cfg.run.log_every == 0 or done == self.total_steps:
+                logger.log(done, metrics, ("reward/mean", "kl/per_token", "policy/clipfrac"))
             logger.advance()
             if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
                 save_checkpoint(

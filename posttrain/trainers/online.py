@@ -100,6 +100,13 @@ def write_samples(accelerator, output_dir, step: int, rollout: Rollout, scores: 
             )
 
 
+def split_minibatches(order: torch.Tensor, minibatches: int) -> list[list[int]]:
+    """Every row of ``order`` [B] in min(minibatches, B) consecutive minibatches whose sizes differ by at
+    most one (B = 16 in 3: 6, 5, 5). No row is left out; each minibatch is one optimizer step whose loss
+    is normalised by its own units, so uneven sizes weigh every row alike within a step."""
+    return [part.tolist() for part in torch.tensor_split(order, min(minibatches, len(order)))]
+
+
 def micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 

@@ -29,6 +29,7 @@ from posttrain.core import (
     AGGREGATION_MODES,
     KL_ESTIMATORS,
     adaptive_kl_coef,
+    aggregate_loss,
     aggregation_units,
     gae,
     kl_penalty,
@@ -43,17 +44,24 @@ from posttrain.models import (
     ModelConfig,
     PolicyWithValueHead,
     Reference,
+    ValueModel,
     load_critic,
     load_policy,
     load_reward_model,
     load_tokenizer,
     sequence_scores,
-    token_values,
 )
 from posttrain.rewards import RewardComposer, RewardSpec
 from posttrain.rollout import HFEngine, SamplingParams
 from posttrain.trainers.checkpoint import save_checkpoint
-from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, validate_sections
+from posttrain.trainers.config import (
+    PLACED_BY_ACCELERATE,
+    OptimConfig,
+    RunConfig,
+    check_choice,
+    reject_ignored,
+    validate_sections,
+)
 from posttrain.trainers.loop import build_accelerator, build_optimizer, optimizer_step, save_final, start_run
 from posttrain.trainers.online import (
     PhaseTimer,
@@ -68,6 +76,7 @@ from posttrain.trainers.online import (
     reference_logprobs,
     response_metrics,
     sample,
+    split_minibatches,
     write_samples,
 )
 
@@ -148,6 +157,15 @@ class PPOConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        reject_ignored(
+            self,
+            {
+                "model.device": PLACED_BY_ACCELERATE,
+                "reward_model.device": "use reward_device (the reward model is frozen, so it may live anywhere)",
+                "run.eval_every": "held-out evaluation is not implemented in ppo yet; leave it null",
+                "data.eval_fraction": "held-out evaluation is not implemented in ppo yet; leave it 0",
+            },
+        )
         if self.reward_model is None and not self.rewards:
             raise ValueError("a reward is needed: reward_model.path and/or rewards [{function: module:function}]")
         for i, spec in enumerate(self.rewards):
@@ -185,6 +203,11 @@ class PPOTrainer:
         if prompts_per_step % world:
             raise ValueError(f"prompts per step ({prompts_per_step}) must split evenly over {world} processes")
         self.local_prompts = prompts_per_step // world
+        if config.minibatches > self.local_prompts * config.num_generations:
+            raise ValueError(
+                f"minibatches={config.minibatches} is more than the {self.local_prompts * config.num_generations} "
+                f"responses each of the {world} process(es) holds per step (run.batch_size={config.run.batch_size})"
+            )
         self.kl_coef = config.kl_coef
 
         # the four roles
@@ -213,10 +236,12 @@ class PPOTrainer:
             acc.register_for_checkpointing(self.scheduler)
             self.engine = HFEngine(acc.unwrap_model(self.model).policy, self.tokenizer)
         else:
-            critic = load_critic(
-                config.critic,
-                replace(config.model, device="cpu", lora=None),
-                None if config.reward_model is None else replace(config.reward_model, device="cpu"),
+            critic = ValueModel(  # trained through its forward: DDP synchronises its gradients
+                load_critic(
+                    config.critic,
+                    replace(config.model, device="cpu", lora=None),
+                    None if config.reward_model is None else replace(config.reward_model, device="cpu"),
+                )
             )
             optimizer, self.scheduler = build_optimizer(
                 [p for p in policy.parameters() if p.requires_grad], config.optim, updates
@@ -252,8 +277,7 @@ class PPOTrainer:
         device = self.accelerator.device
         if self.shared:
             return self._policy_forward(rollout, rows)[1]
-        return token_values(
-            self.critic,
+        return self.critic(
             rollout.input_ids[rows].to(device),
             rollout.attention_mask[rows].to(device),
             rollout.response_length,
@@ -296,69 +320,24 @@ class PPOTrainer:
 
     def update(self, step, rollout, old_logprobs, old_values, advantages, returns, mask) -> dict:
         cfg, acc = self.config, self.accelerator
-        world, B = acc.num_processes, len(rollout)
-        size = max(1, B // cfg.minibatches)
         stats, first = StatsAccumulator(), None
         for epoch in range(cfg.ppo_epochs):
             generator = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step * 1_009 + epoch)
-            order = torch.randperm(B, generator=generator)
-            for m in range(cfg.minibatches):
-                rows = order[m * size : (m + 1) * size].tolist()
+            for rows in split_minibatches(torch.randperm(len(rollout), generator=generator), cfg.minibatches):
                 sub = rollout.select(rows)
-                sub_mask, sub_adv, sub_ret = mask[rows], advantages[rows], returns[rows]
-                sub_old, sub_old_values = old_logprobs[rows], old_values[rows]
-                units = global_sum(acc, aggregation_units(sub_mask, cfg.loss_agg))
+                batch = (mask[rows], advantages[rows], returns[rows], old_logprobs[rows], old_values[rows])
                 minibatch = StatsAccumulator()
-                slices = micro_slices(len(rows), cfg.run.micro_batch_size)
-                for k, s in enumerate(slices):
-                    last = k == len(slices) - 1
-                    sync_policy = contextlib.nullcontext() if last else acc.no_sync(self.model)
-                    weight = float(aggregation_units(sub_mask[s], cfg.loss_agg)) * world / max(units, 1.0)
-                    with sync_policy:
-                        logprobs, values, entropy = self._policy_forward(
-                            sub, s, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
-                        )
-                        pg_loss, pg_stats = ppo_policy_loss(
-                            logprobs, sub_old[s], sub_adv[s], sub_mask[s], cfg.clip_low, cfg.clip_high, cfg.loss_agg
-                        )
-                        entropy_mean = masked_mean(entropy, sub_mask[s])
-                        loss = pg_loss - cfg.entropy_coef * entropy_mean
-                        if self.shared:
-                            vf_loss = value_loss(
-                                values, sub_old_values[s], sub_ret[s], sub_mask[s], cfg.vf_clip, cfg.loss_agg
-                            )
-                            loss = loss + cfg.vf_coef * vf_loss
-                        acc.backward(loss * weight)
-                    if not self.shared:
-                        sync_critic = contextlib.nullcontext() if last else acc.no_sync(self.critic)
-                        with sync_critic:
-                            values = self._values(sub, s)
-                            vf_loss = value_loss(
-                                values, sub_old_values[s], sub_ret[s], sub_mask[s], cfg.vf_clip, cfg.loss_agg
-                            )
-                            acc.backward(vf_loss * weight)
-                    clipped = (values.detach() - sub_old_values[s]).abs() > (cfg.vf_clip or math.inf)
-                    minibatch.add(
-                        {
-                            **pg_stats,
-                            "entropy": entropy_mean.detach(),
-                            "value_loss": vf_loss.detach(),
-                            "value_clipfrac": masked_mean(clipped.float(), sub_mask[s]),
-                        },
-                        weight,
-                    )
-                max_norm = cfg.optim.max_grad_norm
-                grad_norm = optimizer_step(acc, self.model, self.optimizer, self.scheduler, max_norm)
+                grad_norm = self._policy_minibatch(sub, *batch, minibatch)
+                stats.add({"grad_norm": torch.tensor(grad_norm)}, 1.0)
                 if not self.shared:
-                    critic_norm = optimizer_step(
-                        acc, self.critic, self.critic_optimizer, self.critic_scheduler, max_norm
-                    )
+                    # after the policy's step: under fp16 each optimizer's gradients are scaled, unscaled and
+                    # stepped within one cycle of accelerate's shared GradScaler (scale updated per step)
+                    critic_norm = self._critic_minibatch(sub, *batch, minibatch)
                     stats.add({"critic_grad_norm": torch.tensor(critic_norm)}, 1.0)
                 result = minibatch.result(acc)
                 if first is None:
                     first = result
                 stats.add(result, 1.0)
-                stats.add({"grad_norm": torch.tensor(grad_norm)}, 1.0)
         out = {
             ("policy/" + k if k not in ("grad_norm", "critic_grad_norm") else k): v
             for k, v in stats.result(acc).items()
@@ -369,6 +348,59 @@ class PPOTrainer:
         out["policy/first_minibatch_ratio_min"] = first["ratio_min"]
         out["policy/first_minibatch_clipfrac"] = first["clipfrac"]
         return out
+
+    def _policy_minibatch(self, sub, mask, advantages, returns, old_logprobs, old_values, stats) -> float:
+        """Clipped surrogate − entropy bonus (+ value loss with a shared critic), each reduced by
+        ``loss_agg`` with the constant ``max_new_tokens`` of seq-mean-token-sum-norm, accumulated over
+        micro-batches in the minibatch's global units; one optimizer step. Returns the gradient norm."""
+        cfg, acc = self.config, self.accelerator
+        agg, norm_length = cfg.loss_agg, cfg.sampling.max_new_tokens
+        units = global_sum(acc, aggregation_units(mask, agg))
+        slices = micro_slices(len(sub), cfg.run.micro_batch_size)
+        for k, s in enumerate(slices):
+            weight = float(aggregation_units(mask[s], agg)) * acc.num_processes / max(units, 1.0)
+            with contextlib.nullcontext() if k == len(slices) - 1 else acc.no_sync(self.model):
+                logprobs, values, entropy = self._policy_forward(
+                    sub, s, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
+                )
+                pg_loss, pg_stats = ppo_policy_loss(
+                    logprobs,
+                    old_logprobs[s],
+                    advantages[s],
+                    mask[s],
+                    cfg.clip_low,
+                    cfg.clip_high,
+                    agg,
+                    norm_length=norm_length,
+                )
+                loss = pg_loss - cfg.entropy_coef * aggregate_loss(entropy, mask[s], agg, norm_length)
+                if self.shared:
+                    vf_loss = value_loss(values, old_values[s], returns[s], mask[s], cfg.vf_clip, agg, norm_length)
+                    loss = loss + cfg.vf_coef * vf_loss
+                    stats.add(self._value_stats(values, vf_loss, old_values[s], mask[s]), weight)
+                acc.backward(loss * weight)
+            stats.add({**pg_stats, "entropy": masked_mean(entropy, mask[s]).detach()}, weight)
+        return optimizer_step(acc, self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
+
+    def _critic_minibatch(self, sub, mask, advantages, returns, old_logprobs, old_values, stats) -> float:
+        """Clipped value loss of the separate critic, as ``_policy_minibatch``; one optimizer step."""
+        cfg, acc = self.config, self.accelerator
+        units = global_sum(acc, aggregation_units(mask, cfg.loss_agg))
+        slices = micro_slices(len(sub), cfg.run.micro_batch_size)
+        for k, s in enumerate(slices):
+            weight = float(aggregation_units(mask[s], cfg.loss_agg)) * acc.num_processes / max(units, 1.0)
+            with contextlib.nullcontext() if k == len(slices) - 1 else acc.no_sync(self.critic):
+                values = self._values(sub, s)
+                vf_loss = value_loss(
+                    values, old_values[s], returns[s], mask[s], cfg.vf_clip, cfg.loss_agg, cfg.sampling.max_new_tokens
+                )
+                acc.backward(vf_loss * weight)
+            stats.add(self._value_stats(values, vf_loss, old_values[s], mask[s]), weight)
+        return optimizer_step(acc, self.critic, self.critic_optimizer, self.critic_scheduler, cfg.optim.max_grad_norm)
+
+    def _value_stats(self, values, vf_loss, old_values, mask) -> dict:
+        clipped = (values.detach() - old_values).abs() > (self.config.vf_clip or math.inf)
+        return {"value_loss": vf_loss.detach(), "value_clipfrac": masked_mean(clipped.float(), mask)}
 
     def _saved_models(self) -> dict:
         return {"policy": self.model} if self.shared else {"policy": self.model, "critic": self.critic}
@@ -447,7 +479,8 @@ class PPOTrainer:
                     self.kl_coef, kl_stats["kl/per_sequence"], cfg.kl_target, cfg.kl_horizon, cfg.run.batch_size
                 )
             write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
-            logger.log(done, metrics, ("score/mean", "kl/per_sequence", "policy/clipfrac"))
+            if done % cfg.run.log_every == 0 or done == self.total_steps:
+                logger.log(done, metrics, ("score/mean", "kl/per_sequence", "policy/clipfrac"))
             logger.advance()
             if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
                 save_checkpoint(

@@ -28,8 +28,22 @@ from posttrain.data import (
     load_rankings,
 )
 from posttrain.data.rows import read_rows
-from posttrain.models import ModelConfig, load_causal_lm, load_scalar_model, load_tokenizer, sequence_scores
-from posttrain.trainers.config import OptimConfig, RunConfig, check_choice, validate_sections
+from posttrain.models import (
+    ModelConfig,
+    RewardScorer,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    sequence_scores,
+)
+from posttrain.trainers.config import (
+    PLACED_BY_ACCELERATE,
+    OptimConfig,
+    RunConfig,
+    check_choice,
+    reject_ignored,
+    validate_sections,
+)
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, save_final, split_train_eval
 
 DATA_FORMATS = ("auto", "pairs", "rankings")
@@ -40,7 +54,8 @@ class RMConfig:
     """posttrain rm."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    """Backbone to train: a causal LM (a new one-output head is added) or a reward-model checkpoint."""
+    """Backbone to train: a causal LM (a new one-output head is added) or a reward-model checkpoint;
+    ``model.lora`` trains a LoRA adapter and the head, saved as an adapter (head in modules_to_save)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Pairs {"prompt", "chosen", "rejected"} or rankings {"prompt", "responses": [best, ..., worst]}."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -62,9 +77,20 @@ class RMConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        reject_ignored(
+            self,
+            {
+                "model.device": PLACED_BY_ACCELERATE,
+            },
+        )
         check_choice("data_format", self.data_format, DATA_FORMATS)
         if self.center_coef < 0:
             raise ValueError(f"center_coef must be >= 0, got {self.center_coef}")
+        if self.normalize_policy and self.model.lora is not None:
+            raise ValueError(
+                "normalize_policy with model.lora: the adapter checkpoint has no config.json to hold the "
+                "normalisation; train the LoRA reward model, then normalise a merged copy"
+            )
         if self.normalize_samples < 2:
             raise ValueError(f"normalize_samples must be >= 2, got {self.normalize_samples}")
 
@@ -94,7 +120,7 @@ class RMTask:
         return len(batch.ks)
 
     def loss(self, model, batch: RankingBatch):
-        scores = sequence_scores(model, batch.sequences.input_ids, batch.sequences.attention_mask)
+        scores = model(batch.sequences.input_ids, batch.sequences.attention_mask)  # a RewardScorer
         loss_sum = scores.new_zeros(())
         sums = {k: scores.new_zeros(()) for k in ("correct", "pairs", "margin", "score", "score_sq", "responses")}
         for ranking in torch.split(scores, batch.ks):  # rankings may differ in K
@@ -137,7 +163,8 @@ def load_ranking_data(config: RMConfig, tokenizer):
 
 
 def train(config: RMConfig, callbacks=()) -> dict:
-    """Train a reward model; writes ``<run.output_dir>/final/reward`` (a *ForSequenceClassification)."""
+    """Train a reward model; writes ``<run.output_dir>/final/reward``: a *ForSequenceClassification, or with
+    ``model.lora`` its adapter, which ``load_reward_model`` (AutoModelForSequenceClassification) loads."""
     config.validate()
     accelerator = build_accelerator(config.run)
     torch.manual_seed(config.run.seed)
@@ -146,10 +173,17 @@ def train(config: RMConfig, callbacks=()) -> dict:
     accelerator.print(f"[rm] data: {report.summary()}")
     train_examples, eval_examples = split_train_eval(examples, config.data.eval_fraction, config.run.seed)
     model = load_scalar_model(replace(config.model, device="cpu"), "reward")
+    if config.model.lora is not None:  # saved as an adapter whose modules_to_save hold the trained score head
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(**{"task_type": "SEQ_CLS", "modules_to_save": ["score"], **config.model.lora})
+        )
+    scorer = RewardScorer(model)  # trained through its forward: DDP synchronises its gradients
     task = RMTask(tokenizer.pad_token_id, config.margin, config.center_coef)
     result = run_offline(
         task,
-        Trainable(model, {"reward": model}),
+        Trainable(scorer, {"reward": scorer}),
         train_examples,
         eval_examples,
         config,
@@ -160,7 +194,6 @@ def train(config: RMConfig, callbacks=()) -> dict:
     )
     result["data_report"] = report.summary()
     if config.normalize_policy:
-        model = accelerator.unwrap_model(model)
         result["normalization"] = normalize_reward(model, tokenizer, config, accelerator.device)
         save_final(accelerator, config.run.output_dir, {"reward": model}, tokenizer)
     return result

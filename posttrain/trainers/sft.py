@@ -17,7 +17,7 @@ import torch
 from posttrain.core import masked_sum
 from posttrain.data import DataConfig, SequenceBatch, collate_packed, collate_sft, load_sft, pack_sft
 from posttrain.models import ModelConfig, load_policy, load_tokenizer, sequence_logprobs
-from posttrain.trainers.config import OptimConfig, RunConfig, validate_sections
+from posttrain.trainers.config import PLACED_BY_ACCELERATE, OptimConfig, RunConfig, reject_ignored, validate_sections
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
 
 
@@ -38,6 +38,7 @@ class SFTConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        reject_ignored(self, {"model.device": PLACED_BY_ACCELERATE})
         if self.packing and self.data.max_length is None:
             raise ValueError("packing needs data.max_length (the length of a packed row)")
 

@@ -1,0 +1,264 @@
+"""PPO and GRPO updates on a fixed rollout: loss normalisation in every mode, every row trained, fp16
+gradient unscaling per optimizer, group statistics over scored rows only (issue 9 items 7, 9–12)."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from posttrain.core import AGGREGATION_MODES
+from posttrain.data.synthetic import arithmetic_sft
+from posttrain.rollout import SamplingParams
+from posttrain.trainers import ppo
+from posttrain.trainers.config import load_config
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.online import PhaseTimer
+from posttrain.trainers.ppo import PPOConfig, PPOTrainer
+
+REWARDS = '''
+def digit_sum(prompts, completions, **columns):
+    return [float(sum(ch.isdigit() for ch in c)) + 0.1 * len(c) for c in completions]
+
+
+def half_scored(prompts, completions, **columns):
+    """Per group of 4: 1, 0, None, None."""
+    return [[1.0, 0.0, None, None][i % 4] for i in range(len(completions))]
+'''
+
+
+@pytest.fixture
+def files(tiny_dir, tmp_path):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in arithmetic_sft(32, seed=1)))
+    return {
+        "policy": str(tiny_dir / "policy"),
+        "reward": str(tiny_dir / "reward"),
+        "prompts": str(prompts),
+        "rewards": str(tmp_path / "my_rewards.py"),
+        "out": tmp_path,
+    }
+
+
+def _ppo(files, *overrides) -> PPOConfig:
+    base = [
+        f"model.path={files['policy']}",
+        f"reward_model.path={files['reward']}",
+        f"data.path={files['prompts']}",
+        "data.chat_template=never",
+        f"run.output_dir={files['out'] / 'ppo'}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "run.batch_size=8",
+        "run.micro_batch_size=8",
+        "sampling.max_new_tokens=16",
+        "ppo_epochs=1",
+        "optim.max_grad_norm=null",  # the gradient as computed, not clipped
+    ]
+    return load_config(PPOConfig, None, base + list(overrides))
+
+
+class StepGrads:
+    """The gradients each optimizer applies, captured when it steps (after unscaling and clipping)."""
+
+    def __init__(self, **optimizers):
+        self.grads = {}
+        for name, optimizer in optimizers.items():
+            optimizer.optimizer.register_step_pre_hook(self._hook(name))
+
+    def _hook(self, name):
+        def hook(optimizer, args, kwargs):
+            self.grads[name] = [
+                p.grad.clone() for g in optimizer.param_groups for p in g["params"] if p.grad is not None
+            ]
+
+        return hook
+
+
+def _update_inputs(trainer, rollout, seed=0):
+    """(old_logprobs, old_values, advantages, returns, mask) for ``PPOTrainer.update``: arbitrary but fixed."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = rollout.response_ids.shape
+    mask = rollout.response_mask
+    old_values, advantages, returns = (torch.randn(B, T, generator=g) for _ in range(3))
+    return rollout.logprobs - 0.1, old_values, advantages, returns, mask
+
+
+def _varied_rollout(trainer, T=6):
+    """8 responses of exactly T tokens, then response masks of lengths 1..T so the modes differ."""
+    prompts = [p.prompt_ids for p in trainer.prompts[:8]]
+    torch.manual_seed(0)
+    rollout = trainer.engine.generate(prompts, SamplingParams(max_new_tokens=T, min_new_tokens=T))
+    lengths = torch.tensor([1 + i % T for i in range(8)])
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    return replace(rollout, response_mask=mask, truncated=torch.zeros(8, dtype=torch.bool))
+
+
+def _pad(rollout, T: int, pad_id: int):
+    extra = T - rollout.response_ids.shape[1]
+    return replace(
+        rollout,
+        response_ids=torch.nn.functional.pad(rollout.response_ids, (0, extra), value=pad_id),
+        response_mask=torch.nn.functional.pad(rollout.response_mask, (0, extra)),
+        logprobs=torch.nn.functional.pad(rollout.logprobs, (0, extra)),
+    )
+
+
+def _grads_of_update(trainer, rollout, inputs):
+    """The gradients of one PPO update (policy and critic), parameters restored afterwards."""
+    models = [trainer.model] + ([trainer.critic] if trainer.critic is not None else [])
+    saved = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
+    trainer.update(0, rollout, *inputs)
+    for model, state in zip(models, saved, strict=True):
+        model.load_state_dict(state)
+    return dict(trainer._grads.grads)
+
+
+def _trainer_with_grads(config):
+    trainer = PPOTrainer(config)
+    optimizers = {"policy": trainer.optimizer}
+    if trainer.critic_optimizer is not None:
+        optimizers["critic"] = trainer.critic_optimizer
+    trainer._grads = StepGrads(**optimizers)
+    return trainer
+
+
+def _assert_same_grads(a, b, **tol):
+    assert a.keys() == b.keys()
+    for name in a:
+        for x, y in zip(a[name], b[name], strict=True):
+            torch.testing.assert_close(x, y, **tol)
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_ppo_micro_batching_with_entropy_bonus_in_every_mode(files, mode):
+    """Item 10: the entropy bonus is reduced like the policy loss, so 1 micro-batch of 8 and 4 of 2 give
+    the same gradient in every mode (before, outside token-mean they differed by ~1e-2)."""
+    trainer = _trainer_with_grads(_ppo(files, f"loss_agg={mode}", "entropy_coef=0.5", "critic=policy"))
+    rollout = _varied_rollout(trainer)
+    inputs = _update_inputs(trainer, rollout)
+    whole = _grads_of_update(trainer, rollout, inputs)
+    trainer.config.run.micro_batch_size = 2
+    split = _grads_of_update(trainer, rollout, inputs)
+    _assert_same_grads(whole, split, rtol=1e-4, atol=1e-6)
+
+
+def test_ppo_seq_mean_token_sum_norm_divides_by_a_constant(files):
+    """Item 9: the same rows padded from T = 6 to T = 12 give the same policy and critic gradients
+    (before, the divisor was the padded length of the step: the gradient halved)."""
+    trainer = _trainer_with_grads(_ppo(files, "loss_agg=seq-mean-token-sum-norm", "critic=policy"))
+    rollout = _varied_rollout(trainer, T=6)
+    padded = _pad(rollout, 12, trainer.tokenizer.pad_token_id)
+    short = _grads_of_update(trainer, rollout, _update_inputs(trainer, rollout))
+    long_inputs = [torch.nn.functional.pad(x, (0, 6)) for x in _update_inputs(trainer, rollout)]
+    long = _grads_of_update(trainer, padded, long_inputs)
+    _assert_same_grads(short, long, rtol=1e-4, atol=1e-7)
+
+
+def test_fp16_scaler_unscales_each_optimizer_once(files, monkeypatch):
+    """Item 7: with a separate critic under fp16, the critic's applied gradient equals the true one.
+
+    CPU has no fp16 GradScaler in accelerate, so it is emulated exactly: accelerate's own code paths
+    (backward scales the loss, clip_grad_norm_ unscales, the optimizer steps through the scaler and
+    updates it) with a real torch GradScaler on fp32 weights, so the only difference from the fp32 run
+    is the scaling itself. Before the fix the critic's gradient was divided by the scale a second time."""
+    plain = _trainer_with_grads(_ppo(files, "critic=policy", "optim.max_grad_norm=1e6"))
+    build = ppo.build_accelerator
+
+    def with_scaler(run):
+        accelerator = build(run)  # one AcceleratorState per process: fp16 is declared on this instance only
+        accelerator.__class__ = type("FP16OnCPU", (type(accelerator),), {"mixed_precision": "fp16"})
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        return accelerator
+
+    monkeypatch.setattr(ppo, "build_accelerator", with_scaler)
+    scaled = _trainer_with_grads(_ppo(files, "critic=policy", "optim.max_grad_norm=1e6"))
+    scaled.accelerator.native_amp = True  # after prepare: the scaler's code paths, but no fp16 autocast on CPU
+    assert scaled.critic_optimizer.scaler is scaled.accelerator.scaler
+    rollout = _varied_rollout(plain)
+    inputs = _update_inputs(plain, rollout)
+    expected = _grads_of_update(plain, rollout, inputs)
+    got = _grads_of_update(scaled, rollout, inputs)
+    assert scaled.accelerator.scaler.get_scale() == 2.0**12  # no overflow: every step was taken
+    _assert_same_grads(expected, got, rtol=1e-5, atol=1e-8)
+
+
+def _count_trained_rows(model):
+    rows = []
+    handle = model.register_forward_hook(
+        lambda module, args, kwargs, out: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    return rows, handle
+
+
+def test_every_row_trains_when_minibatches_do_not_divide_the_batch(files):
+    """Item 11: 16 rows in 3 minibatches train all 16 (6 + 5 + 5), not 15; more minibatches than rows is
+    refused at start."""
+    grpo = GRPOTrainer(
+        load_config(
+            GRPOConfig,
+            None,
+            [
+                f"model.path={files['policy']}",
+                f"data.path={files['prompts']}",
+                "data.chat_template=never",
+                f"run.output_dir={files['out'] / 'grpo'}",
+                "run.progress=false",
+                "run.report_to=[jsonl]",
+                f"rewards=[{{function: '{files['rewards']}:digit_sum'}}]",
+                "sampling.max_new_tokens=4",
+                "num_generations=2",
+                "run.batch_size=16",
+                "minibatches=3",
+                "kl_coef=0",
+            ],
+        )
+    )
+    rollout, scores, applicable, _ = grpo.rollout_and_score(PhaseTimer())
+    mask = rollout.response_mask
+    rows, handle = _count_trained_rows(grpo.accelerator.unwrap_model(grpo.model))
+    grpo.update(0, rollout, rollout.logprobs, None, grpo.advantages(scores, applicable, None, mask), mask)
+    handle.remove()
+    assert sorted(rows) == [5, 5, 6]
+
+    trainer = PPOTrainer(_ppo(files, "run.batch_size=16", "minibatches=3", "critic=policy"))
+    prompts = [p.prompt_ids for p in trainer.prompts[:16]]
+    rollout = trainer.engine.generate(prompts, SamplingParams(max_new_tokens=4))
+    rows, handle = _count_trained_rows(trainer.accelerator.unwrap_model(trainer.model))
+    trainer.update(0, rollout, *_update_inputs(trainer, rollout))
+    handle.remove()
+    assert sorted(rows) == [5, 5, 6]
+    with pytest.raises(ValueError, match="minibatches=17 is more than the 16 responses"):
+        PPOTrainer(_ppo(files, "run.batch_size=16", "minibatches=17", "critic=policy"))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_groups_with_unscored_rows_use_the_scored_rows_only(files, estimator):
+    """Item 12: rewards 1, 0, None, None in every group of 4. Scored rows only: mean 0.5, std 0.7071
+    (Bessel, n = 2), so A = ±0.5 / (0.7071 + 1e-4); RLOO: 1 − 0 = 1 and 0 − 1 = −1; unscored rows 0.
+    Filling None with the group mean gave ±1.22 (std over 4 rows shrunk) and a baseline with the row's
+    own reward in it."""
+    config = load_config(
+        GRPOConfig,
+        None,
+        [
+            f"model.path={files['policy']}",
+            f"data.path={files['prompts']}",
+            "data.chat_template=never",
+            f"run.output_dir={files['out'] / 'grpo'}",
+            "run.progress=false",
+            f"rewards=[{{function: '{files['rewards']}:half_scored'}}]",
+            "sampling.max_new_tokens=4",
+            "num_generations=4",
+            "run.batch_size=8",
+            "kl_coef=0",
+            f"advantage_estimator={estimator}",
+        ],
+    )
+    trainer = GRPOTrainer(config)
+    rollout, scores, applicable, _ = trainer.rollout_and_score(PhaseTimer())
+    assert applicable.tolist() == [True, True, False, False] * 2
+    advantages = trainer.advantages(scores, applicable, None, rollout.response_mask)
+    a = 0.5 / (0.5**0.5 + 1e-4) if estimator == "grpo" else 1.0
+    torch.testing.assert_close(advantages, torch.tensor([a, -a, 0.0, 0.0] * 2))
