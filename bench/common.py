@@ -1,6 +1,7 @@
-"""What posttrain's side of the TRL comparison shares: the tiny models, the synthetic data, the reward,
-the step clock and peak RSS. Self-contained (no import of the TRL bench folder): ``run.sh`` checks that
-the weights and the data built here are bit-identical to the TRL bench's before timing anything.
+"""What posttrain's side of the TRL comparison shares: the tiny models, the synthetic data, the step clock
+and peak RSS (the reward is posttrain's own ``rewards.builtin.starts_with_answer``, the TRL bench's rule).
+Self-contained (no import of the TRL bench folder): ``run.sh`` checks that the weights and the data
+built here are bit-identical to the TRL bench's before timing anything.
 
     python bench/common.py build --out DIR [--size small]   # policy/ and reward/ checkpoints
     python bench/common.py data-hash                         # SHA-256 of the prompts and pairs
@@ -60,19 +61,6 @@ def arithmetic_prompts(n: int, seed: int = 0) -> list[dict]:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
     return rows
-
-
-def arithmetic_reward(prompts, completions, answer, **columns) -> list[float]:
-    """1.0 when the completion starts with the right sum, 0.1 when it starts with other digits, else 0."""
-    out = []
-    for completion, expected in zip(completions, answer, strict=True):
-        digits = ""
-        for ch in completion:
-            if not ch.isdigit():
-                break
-            digits += ch
-        out.append(1.0 if digits == expected else (0.1 if digits else 0.0))
-    return out
 
 
 def _sums(rng: random.Random, correct: bool):

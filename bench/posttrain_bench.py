@@ -65,7 +65,7 @@ def grpo(args, out: Path, clock: common.StepClock) -> dict:
         optim=optim,
         run=run,
         sampling=SamplingParams(max_new_tokens=length, min_new_tokens=length, temperature=1.0, top_k=0, top_p=1.0),
-        rewards=[RewardSpec(function=f"{Path(common.__file__)}:arithmetic_reward", isolation="inline")],
+        rewards=[RewardSpec(function="posttrain.rewards.builtin:starts_with_answer", isolation="inline")],
         num_generations=args.num_generations,
         kl_coef=0.04,
         kl_estimator="k3",

@@ -49,10 +49,14 @@ def main() -> None:
         if calib_path.exists() and calib_path.read_text().strip():
             calib[(bench, size)].append(json.loads(calib_path.read_text()))
     print(f"results: {out}\n")
-    print("| bench | model | TRL s/step | posttrain s/step | posttrain / TRL (median of rounds) | rounds |"
-          " peak RSS TRL → posttrain (MiB) | RSS ratio | matmul GFLOP/s (calibration) | achieved GFLOP/s TRL → posttrain |")
+    print(
+        "| bench | model | TRL s/step | posttrain s/step | posttrain / TRL (median of rounds) | rounds"
+        " | peak RSS TRL → posttrain (MiB) | RSS ratio | matmul GFLOP/s | achieved GFLOP/s TRL → posttrain |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for (bench, size), libs in sorted(runs.items(), key=lambda kv: (["grpo", "grpo_large", "dpo", "rm"].index(kv[0][0]), kv[0][1])):
+    for (bench, size), libs in sorted(
+        runs.items(), key=lambda kv: (["grpo", "grpo_large", "dpo", "rm"].index(kv[0][0]), kv[0][1])
+    ):
         config = json.loads((out / "models" / f"posttrain-{size}" / "policy" / "config.json").read_text())
         trl, pt = dict(libs.get("trl", [])), dict(libs.get("posttrain", []))
         rounds = sorted(set(trl) & set(pt))
@@ -63,10 +67,16 @@ def main() -> None:
         ratio = statistics.median(pt[i]["median_step_s"] / trl[i]["median_step_s"] for i in rounds)
         rss_t = statistics.median(trl[i]["peak_rss_mib"] for i in rounds)
         rss_p = statistics.median(pt[i]["peak_rss_mib"] for i in rounds)
-        mm = statistics.median(c["matmul256_gflops"] for c in calib[(bench, size)]) if calib[(bench, size)] else float("nan")
+        mm = (
+            statistics.median(c["matmul256_gflops"] for c in calib[(bench, size)])
+            if calib[(bench, size)]
+            else float("nan")
+        )
         flops = flops_per_step(bench, config) / 1e9
-        print(f"| {bench} | {size} | {t:.3f} | {p:.3f} | **{ratio:.2f}** | {len(rounds)} | {rss_t:.0f} → {rss_p:.0f} |"
-              f" {rss_p / rss_t:.2f} | {mm:.0f} | {flops / t:.1f} → {flops / p:.1f} |")
+        print(
+            f"| {bench} | {size} | {t:.3f} | {p:.3f} | **{ratio:.2f}** | {len(rounds)} | {rss_t:.0f} → {rss_p:.0f} |"
+            f" {rss_p / rss_t:.2f} | {mm:.0f} | {flops / t:.1f} → {flops / p:.1f} |"
+        )
     print()
     print("Per-round median s/step (TRL / posttrain) and posttrain's mean phase split (s):")
     for (bench, size), libs in sorted(runs.items()):
@@ -81,8 +91,10 @@ def main() -> None:
         print(f"- {bench} {size}: {rounds}; posttrain phases {phases}")
     loads = [c.get("loadavg_1m") for cs in calib.values() for c in cs if c.get("loadavg_1m") is not None]
     if loads:
-        print(f"\nLoad average (1 min) before the runs: median {statistics.median(loads):.1f},"
-              f" range {min(loads):.1f}–{max(loads):.1f}")
+        print(
+            f"\nLoad average (1 min) before the runs: median {statistics.median(loads):.1f},"
+            f" range {min(loads):.1f}–{max(loads):.1f}"
+        )
 
 
 if __name__ == "__main__":
