@@ -155,7 +155,7 @@ def test_first_token_distribution_of_the_engine_is_the_models(model, tokenizer):
 
 
 @pytest.mark.parametrize("trainer", ["grpo", "ppo"])
-def test_online_trainers_with_the_lean_engine_start_on_policy(tiny_dir, tmp_path, trainer):
+def test_online_trainers_with_the_lean_engine_start_on_policy_and_time_every_phase(tiny_dir, tmp_path, trainer):
     import json
 
     from posttrain.trainers.config import load_config
@@ -193,3 +193,6 @@ def test_online_trainers_with_the_lean_engine_start_on_policy(tiny_dir, tmp_path
     for record in read_metrics(config.run.output_dir):
         assert abs(record["policy/first_minibatch_ratio_max"] - 1) < 1e-5
         assert abs(record["policy/first_minibatch_ratio_min"] - 1) < 1e-5
+        phases = ["generate", "reward", "reference", "train"] + (["values"] if trainer == "ppo" else [])
+        parts = sum(record[f"time/{p}"] for p in phases)
+        assert record["time/other"] >= 0 and abs(parts + record["time/other"] - record["time/step"]) < 1e-9

@@ -490,14 +490,13 @@ class GRPOTrainer:
             seconds = time.perf_counter() - t0
             valid_scores = scores[applicable]
             metrics.update(response_metrics(acc, rollout))
-            metrics.update(timer.read())
+            metrics.update(timer.read(seconds))
             metrics.update(
                 {
                     "reward/mean": global_sum(acc, valid_scores.sum()) / max(global_sum(acc, len(valid_scores)), 1.0),
                     "reward/std": float(acc.gather(scores).std()) if len(scores) > 1 else 0.0,
                     "kl_coef": cfg.kl_coef,
                     "lr": self.scheduler.get_last_lr()[0],
-                    "time/step": seconds,
                     "tokens_per_s": metrics["tokens_generated"] / seconds,
                     **{f"passes/{k}": v for k, v in self.passes.items()},
                 }

@@ -465,7 +465,7 @@ class PPOTrainer:
             done = step + 1
             seconds = time.perf_counter() - t0
             metrics.update(response_metrics(acc, rollout))
-            metrics.update(timer.read())
+            metrics.update(timer.read(seconds))
             metrics.update(
                 {
                     "score/mean": global_sum(acc, scores.sum()) / global_sum(acc, len(scores)),
@@ -474,7 +474,6 @@ class PPOTrainer:
                     / global_sum(acc, len(scores)),
                     "kl_coef": self.kl_coef,
                     "lr": self.scheduler.get_last_lr()[0],
-                    "time/step": seconds,
                     "tokens_per_s": metrics["tokens_generated"] / seconds,
                 }
             )
