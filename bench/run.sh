@@ -8,7 +8,9 @@
 #   BENCHES  grpo dpo rm grpo_large (default: all four)
 #   SIZES    tiny small (default: both; small = a ~20M-parameter Llama built the same way)
 #   THREADS  torch threads of every run (default 2, as the TRL bench; use 1 on a machine others load)
-#   ENGINE   posttrain's GRPO rollout engine: hf or lean (default: posttrain's default)
+#   SKIP     bench-size pairs to leave out, e.g. "grpo_large-small"
+#   SHORT    1 = fewer steps per run (30 instead of 50 for the tiny model), the same work per step
+#   ENGINE   posttrain's GRPO rollout engine: lean (default) or hf
 #   VENV     the bench environment (default .venv-bench): torch 2.13.0, the TRL bench's pinned
 #            requirements and this checkout, created on first use
 #   OUT      results folder (default bench/results/<UTC stamp>)
@@ -16,7 +18,7 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ROUNDS=${1:-3}
-TRL=${2:-${TRL_BENCH:-$ROOT/../shared/bench/trl}}
+TRL=${2:-$ROOT/../shared/bench/trl}
 BENCHES=${BENCHES:-grpo dpo rm grpo_large}
 SIZES=${SIZES:-tiny small}
 THREADS=${THREADS:-2}
@@ -57,12 +59,20 @@ echo "[bench] weights and data identical on both sides; results in $OUT" >&2
 { date -u; uname -a; nproc; grep -m1 "model name" /proc/cpuinfo || true; cat /proc/loadavg; } > "$OUT/machine.txt"
 
 args_for() {  # bench size -> the bench's arguments (the same for both libraries)
+  # the TRL bench's schedules; SHORT=1 cuts them for a loaded machine (fewer steps, same work per step)
   local steps
+  case "$1-$2-${SHORT:-0}" in
+    grpo_large-tiny-0) steps="--steps 20 --warmup 3" ;;
+    grpo_large-tiny-1) steps="--steps 10 --warmup 2" ;;
+    grpo_large-small-*) steps="--steps 5 --warmup 1" ;;
+    grpo-small-*) steps="--steps 10 --warmup 2" ;;
+    *-small-*) steps="--steps 15 --warmup 3" ;;
+    *-tiny-1) steps="--steps 30 --warmup 5" ;;
+    *) steps="" ;;
+  esac
   case $1 in
-    grpo_large) steps=$([ "$2" = tiny ] && echo "--steps 20 --warmup 3" || echo "--steps 6 --warmup 2")
-                echo "--batch-size 64 --max-completion-length 64 $steps" ;;
-    grpo) [ "$2" = tiny ] && echo "" || echo "--steps 12 --warmup 2" ;;
-    *) [ "$2" = tiny ] && echo "" || echo "--steps 20 --warmup 3" ;;
+    grpo_large) echo "--batch-size 64 --max-completion-length 64 $steps" ;;
+    *) echo "$steps" ;;
   esac
 }
 
@@ -79,7 +89,7 @@ run_one() {  # lib bench size round
   else
     # shellcheck disable=SC2086
     "$PY" "$ROOT/bench/posttrain_bench.py" "${bench%_large}" --model-dir "$OUT/models/posttrain-$size" \
-      --output-dir "$OUT/tmp/$name" ${ENGINE:+--engine $ENGINE} $args > "$OUT/$name.log" 2>&1 \
+      --output-dir "$OUT/tmp/$name" --engine ${ENGINE:-lean} $args > "$OUT/$name.log" 2>&1 \
       || echo "[bench] $name failed, see $OUT/$name.log" >&2
   fi
   rm -rf "$OUT/tmp/$name"
@@ -88,9 +98,15 @@ run_one() {  # lib bench size round
 for i in $(seq 1 "$ROUNDS"); do
   for bench in $BENCHES; do
     for size in $SIZES; do
+      case " ${SKIP:-} " in *" $bench-$size "*) continue ;; esac
       if [ $((i % 2)) = 1 ]; then order="trl posttrain"; else order="posttrain trl"; fi
       for lib in $order; do run_one "$lib" "$bench" "$size" "$i"; done
     done
   done
+done
+for size in $SIZES; do  # generation alone: lean engine against transformers generate, GRPO shape
+  echo "[$(date -u +%H:%M:%S)] generate-$size" >&2
+  "$PY" "$ROOT/bench/generate_bench.py" --model-dir "$OUT/models/posttrain-$size" --threads "$THREADS" \
+    --reps $([ "$size" = tiny ] && echo 20 || echo 6) --json-out "$OUT/generate-$size.out" > /dev/null 2>&1 || true
 done
 "$PY" "$ROOT/bench/summarize.py" "$OUT" | tee "$OUT/summary.md"

@@ -1,5 +1,8 @@
 """The table of a ``run.sh`` results folder: per bench and model size, the median over rounds of each
-library's median step time, their ratio, peak RSS, the calibrated matmul rate and the achieved FLOP/s.
+library's median step time (wall) and process CPU time per step, their ratios (the median of the
+per-round ratios), peak RSS, the calibrated matmul rate and the achieved FLOP/s. On a machine other
+processes load, a process waits for a core much of the time: the CPU-time ratio is then the steadier
+measure of the work each library does per step, the wall ratio the one a user sees.
 
     python bench/summarize.py bench/results/<stamp>
 
@@ -50,10 +53,10 @@ def main() -> None:
             calib[(bench, size)].append(json.loads(calib_path.read_text()))
     print(f"results: {out}\n")
     print(
-        "| bench | model | TRL s/step | posttrain s/step | posttrain / TRL (median of rounds) | rounds"
-        " | peak RSS TRL → posttrain (MiB) | RSS ratio | matmul GFLOP/s | achieved GFLOP/s TRL → posttrain |"
+        "| bench | model | TRL s/step | posttrain s/step | posttrain / TRL | CPU s/step TRL → posttrain | CPU ratio"
+        " | rounds | peak RSS TRL → posttrain (MiB) | RSS ratio | matmul GFLOP/s | achieved GFLOP/s TRL → posttrain |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (bench, size), libs in sorted(
         runs.items(), key=lambda kv: (["grpo", "grpo_large", "dpo", "rm"].index(kv[0][0]), kv[0][1])
     ):
@@ -65,6 +68,10 @@ def main() -> None:
         t = statistics.median(trl[i]["median_step_s"] for i in rounds)
         p = statistics.median(pt[i]["median_step_s"] for i in rounds)
         ratio = statistics.median(pt[i]["median_step_s"] / trl[i]["median_step_s"] for i in rounds)
+        cpu_key = "median_process_cpu_s_per_step"
+        cpu_t = statistics.median(trl[i][cpu_key] for i in rounds)
+        cpu_p = statistics.median(pt[i][cpu_key] for i in rounds)
+        cpu_ratio = statistics.median(pt[i][cpu_key] / trl[i][cpu_key] for i in rounds)
         rss_t = statistics.median(trl[i]["peak_rss_mib"] for i in rounds)
         rss_p = statistics.median(pt[i]["peak_rss_mib"] for i in rounds)
         mm = (
@@ -74,7 +81,8 @@ def main() -> None:
         )
         flops = flops_per_step(bench, config) / 1e9
         print(
-            f"| {bench} | {size} | {t:.3f} | {p:.3f} | **{ratio:.2f}** | {len(rounds)} | {rss_t:.0f} → {rss_p:.0f} |"
+            f"| {bench} | {size} | {t:.3f} | {p:.3f} | **{ratio:.2f}** | {cpu_t:.3f} → {cpu_p:.3f} | {cpu_ratio:.2f}"
+            f" | {len(rounds)} | {rss_t:.0f} → {rss_p:.0f} |"
             f" {rss_p / rss_t:.2f} | {mm:.0f} | {flops / t:.1f} → {flops / p:.1f} |"
         )
     print()
@@ -89,6 +97,13 @@ def main() -> None:
             last = pt[max(pt)]
             phases = {k: round(v, 4) for k, v in last.get("phase_mean_s", {}).items()}
         print(f"- {bench} {size}: {rounds}; posttrain phases {phases}")
+    for path in sorted(out.glob("generate-*.out")):
+        g = json.loads(path.read_text())
+        print(
+            f"\nGeneration alone ({path.stem[9:]} model, {g['shape']} tokens): lean"
+            f" {g['tokens_per_s']['lean']:,.0f} tok/s, HF generate {g['tokens_per_s']['hf']:,.0f} tok/s:"
+            f" {g['speedup_wall']:.2f}× wall, {g['speedup_cpu']:.2f}× CPU time"
+        )
     loads = [c.get("loadavg_1m") for cs in calib.values() for c in cs if c.get("loadavg_1m") is not None]
     if loads:
         print(

@@ -20,6 +20,7 @@ A row ends at its first EOS / stop token or stop string; the steps after it hold
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from posttrain.rollout.base import Rollout, SamplingParams, build_rollout, left_pad
@@ -232,7 +233,9 @@ class _LlamaDecoder(_ModelDecoder):
             )
         positions = torch.arange(max_length, device=backbone.embed_tokens.weight.device)[None]
         cos, sin = backbone.rotary_emb(backbone.embed_tokens.weight[:1][None], positions)
-        self.cos, self.sin = cos[0], sin[0]  # [max_length, d]
+        half = self.head_dim // 2
+        # rotate_half(x)·sin = roll(x, half)·[−sin_1, sin_2]: the sign folded into the table once
+        self.rotary = torch.stack([cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)], dim=1)
         self.max_length = max_length
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -254,12 +257,11 @@ class _LlamaDecoder(_ModelDecoder):
 
     def step(self, tokens, attention_mask, position_ids) -> torch.Tensor:
         """tokens [b], attention_mask [b, L] (L = cache length + 1) or None, position_ids [b, 1] -> logits [b, V]."""
-        import torch.nn.functional as F
-
         backbone, b, d, h, kv = self.model.model, tokens.shape[0], self.head_dim, self.heads, self.kv_heads
         x = F.embedding(tokens, backbone.embed_tokens.weight)  # [b, H]
         width = (x.shape[-1],)
-        cos, sin = self.cos[position_ids[:, 0], None], self.sin[position_ids[:, 0], None]  # [b, 1, d]
+        rotary = self.rotary[position_ids[:, 0]]  # [b, 2, d]
+        cos, sin = rotary[:, None, 0], rotary[:, None, 1]  # [b, 1, d]
         allowed = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         at = self.length
         for (layer, w_qkv, b_qkv, w_gate_up), keys, values in zip(self.layers, self.keys, self.values, strict=True):
@@ -276,18 +278,25 @@ class _LlamaDecoder(_ModelDecoder):
                 scale=attn.scaling,
                 enable_gqa=kv != h,
             )
-            x = x + F.linear(out.view(b, h * d), attn.o_proj.weight, attn.o_proj.bias)
+            x = _add_linear(x, out.view(b, h * d), attn.o_proj)
             gate, up = F.linear(F.rms_norm(x, width, norm2.weight, norm2.variance_epsilon), w_gate_up).chunk(2, -1)
-            x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            x = _add_linear(x, mlp.act_fn(gate) * up, mlp.down_proj)
         self.length += 1
         norm = backbone.norm
         return self.model.lm_head(F.rms_norm(x, width, norm.weight, norm.variance_epsilon)).float()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021) in the half-split layout of Llama checkpoints."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) in the half-split layout of Llama checkpoints:
+    x·cos + rotate_half(x)·sin, with rotate_half(x)·sin = roll(x, d/2)·signed_sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def _add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """x + linear(inputs), as one addmm when the layer has no bias (the residual connection)."""
+    if linear.bias is None:
+        return torch.addmm(x, inputs, linear.weight.t())
+    return x + F.linear(inputs, linear.weight, linear.bias)
 
 
 class _StopStrings:
