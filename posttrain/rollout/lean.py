@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.rollout.base import Rollout, SamplingParams, build_rollout, left_pad
-from posttrain.rollout.hf import eos_token_ids
+from posttrain.rollout.hf import HFEngine, eos_token_ids
 
 
 def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -78,13 +78,9 @@ def sample_categorical(weights: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=weights.shape[-1] - 1)
 
 
-class LeanEngine:
-    """Rollout engine with the hand decode loop of the module docstring (any transformers causal LM
-    whose cache is a ``DynamicCache``: Llama, Qwen2, Mistral, Gemma, ...)."""
-
-    def __init__(self, model: nn.Module, tokenizer):
-        self.model = model
-        self.tokenizer = tokenizer
+class LeanEngine(HFEngine):
+    """Rollout engine with the hand decode loop of the module docstring: an ``HFEngine`` (the same
+    model, tokenizer and contract) whose ``generate`` does not call transformers' ``generate``."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Rollout:
         """Sample ``n`` responses to each prompt (token-id lists); rows of one prompt are consecutive."""
