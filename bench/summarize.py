@@ -54,9 +54,9 @@ def main() -> None:
     print(f"results: {out}\n")
     print(
         "| bench | model | TRL s/step | posttrain s/step | posttrain / TRL | CPU s/step TRL → posttrain | CPU ratio"
-        " | rounds | peak RSS TRL → posttrain (MiB) | RSS ratio | matmul GFLOP/s | achieved GFLOP/s TRL → posttrain |"
+        " | rounds | peak RSS TRL → posttrain (MiB) | RSS ratio | matmul GFLOP/s | GFLOP per wall s | GFLOP per CPU s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (bench, size), libs in sorted(
         runs.items(), key=lambda kv: (["grpo", "grpo_large", "dpo", "rm"].index(kv[0][0]), kv[0][1])
     ):
@@ -83,7 +83,8 @@ def main() -> None:
         print(
             f"| {bench} | {size} | {t:.3f} | {p:.3f} | **{ratio:.2f}** | {cpu_t:.3f} → {cpu_p:.3f} | {cpu_ratio:.2f}"
             f" | {len(rounds)} | {rss_t:.0f} → {rss_p:.0f} |"
-            f" {rss_p / rss_t:.2f} | {mm:.0f} | {flops / t:.1f} → {flops / p:.1f} |"
+            f" {rss_p / rss_t:.2f} | {mm:.0f} | {flops / t:.1f} → {flops / p:.1f}"
+            f" | {flops / cpu_t:.1f} → {flops / cpu_p:.1f} |"
         )
     print()
     print("Per-round median s/step (TRL / posttrain) and posttrain's mean phase split (s):")
