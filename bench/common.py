@@ -127,7 +127,9 @@ class StepClock:
     def __call__(self, step: int, metrics: dict) -> None:
         now, cpu = time.perf_counter(), time.process_time()
         phases = {k[5:]: v for k, v in metrics.items() if k.startswith("time/") and k != "time/step"}
-        self.steps.append({"total": now - self.last, "cpu": cpu - self.cpu_last, "phases": phases})
+        self.steps.append(
+            {"total": now - self.last, "cpu": cpu - self.cpu_last, "phases": phases, "rss": peak_rss_mib()}
+        )
         self.last, self.cpu_last = now, cpu
 
 
@@ -144,7 +146,8 @@ def summary(clock: StepClock, warmup: int) -> dict:
         "median_process_cpu_s_per_step": statistics.median(s["cpu"] for s in kept),
         "phase_mean_s": {n: statistics.fmean(s["phases"].get(n, 0.0) for s in kept) for n in names},
         "all_step_s": [round(s["total"], 4) for s in clock.steps],
-        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "peak_rss_mib": round(peak_rss_mib(), 1),  # at exit: includes posttrain's final save_pretrained
+        "peak_rss_mib_steps": round(clock.steps[-1]["rss"], 1),  # at the end of the last step
     }
 
 
