@@ -6,13 +6,14 @@ needs, and three things ``generate`` cannot:
 
 - the prompt of a group is prefilled once and its KV cache copied to the G samples
   (``batch_repeat_interleave``), instead of G identical prefills;
-- finished rows leave the batch (``batch_select_indices``), so late steps run on the rows still going;
+- finished rows leave the batch with their cache rows, so late steps run on the rows still going;
 - the log-prob of each drawn token is taken from the step's logits directly,
   log π = logits[y]/τ − logsumexp(logits/τ) (``core.token_logprobs``), without keeping a copy of a
   [B, V] row until the next step.
 
 The distribution is ``generate``'s: EOS forbidden before ``min_new_tokens``, then temperature, then
-top-k, then top-p (the same filters, in the same order), then one multinomial draw; τ = 0 is greedy.
+top-k, then top-p (the same filters, in the same order), then one draw from what is left
+(inverse CDF); τ = 0 is greedy.
 A row ends at its first EOS / stop token or stop string; the steps after it hold the pad token, as in
 ``generate``. Log-probs are those of the full distribution at τ, as the training forward computes them.
 """
