@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 
 # torch first, pinned to the CPU build these machines hold locally; posttrain's own torch
 # requirement is a range that this version satisfies, so no other build is pulled over it.
@@ -19,6 +19,12 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# posttrain against TRL on the same work (bench/README.md); its own environment, .venv-bench.
+# TRL_BENCH: the TRL CPU bench folder (default ../shared/bench/trl); ROUNDS: interleaved rounds.
+ROUNDS ?= 3
+bench:
+	bench/run.sh $(ROUNDS) $(TRL_BENCH)
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,4 +1,4 @@
-"""posttrain.rollout: sampling responses from the policy (Hugging Face generate; vLLM on GPUs)."""
+"""posttrain.rollout: sampling responses from the policy (transformers generate, the lean loop; vLLM on GPUs)."""
 
 from posttrain.rollout.base import (
     Rollout,
@@ -9,9 +9,14 @@ from posttrain.rollout.base import (
     response_mask_from_ends,
 )
 from posttrain.rollout.hf import HFEngine, eos_token_ids
+from posttrain.rollout.lean import LeanEngine
+
+ROLLOUT_ENGINES = {"hf": HFEngine, "lean": LeanEngine}
 
 __all__ = [
+    "ROLLOUT_ENGINES",
     "HFEngine",
+    "LeanEngine",
     "Rollout",
     "RolloutEngine",
     "SamplingParams",

@@ -41,7 +41,7 @@ from posttrain.core import (
 from posttrain.data import DataConfig, load_prompts
 from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty
-from posttrain.rollout import HFEngine, Rollout, SamplingParams, concat_rollouts
+from posttrain.rollout import ROLLOUT_ENGINES, Rollout, SamplingParams, concat_rollouts
 from posttrain.trainers.checkpoint import save_checkpoint
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
@@ -160,6 +160,9 @@ class GRPOConfig:
     """grpo, dapo or dr_grpo: sets several knobs at once (printed at start); explicit settings win."""
     log_completions: int = 4
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
+    rollout_engine: str = "hf"
+    """Sampler: hf (transformers generate, any model) or lean (posttrain's decode loop, faster on CPUs and
+    small models: the same distribution and log-probs, prompts prefilled once per group)."""
 
     def validate(self) -> None:
         validate_sections(self)
@@ -182,6 +185,7 @@ class GRPOConfig:
         check_choice("kl_in", self.kl_in, KL_PLACEMENTS)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
         check_choice("reference", self.reference, ("auto", "copy", "adapter"))
+        check_choice("rollout_engine", self.rollout_engine, tuple(ROLLOUT_ENGINES))
         if self.num_generations < 2:
             raise ValueError(f"num_generations must be >= 2 (a group needs two responses), got {self.num_generations}")
         if self.run.batch_size % self.num_generations:
@@ -276,7 +280,7 @@ class GRPOTrainer:
         self.accelerator.register_for_checkpointing(self.scheduler)
         if self.reference is not None and self.reference.model is not None:
             self.reference.model.to(self.accelerator.device)
-        self.engine = HFEngine(self.accelerator.unwrap_model(self.model), self.tokenizer)
+        self.engine = ROLLOUT_ENGINES[config.rollout_engine](self.accelerator.unwrap_model(self.model), self.tokenizer)
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
         self.passes = {"old_logprobs": 0, "reference": 0, "policy_train": 0}
 
@@ -486,14 +490,13 @@ class GRPOTrainer:
             seconds = time.perf_counter() - t0
             valid_scores = scores[applicable]
             metrics.update(response_metrics(acc, rollout))
-            metrics.update(timer.read())
+            metrics.update(timer.read(seconds))
             metrics.update(
                 {
                     "reward/mean": global_sum(acc, valid_scores.sum()) / max(global_sum(acc, len(valid_scores)), 1.0),
                     "reward/std": float(acc.gather(scores).std()) if len(scores) > 1 else 0.0,
                     "kl_coef": cfg.kl_coef,
                     "lr": self.scheduler.get_last_lr()[0],
-                    "time/step": seconds,
                     "tokens_per_s": metrics["tokens_generated"] / seconds,
                     **{f"passes/{k}": v for k, v in self.passes.items()},
                 }

@@ -49,7 +49,8 @@ class PromptSampler:
 
 
 class PhaseTimer:
-    """Wall time per phase of a step (generate, reference, reward, train, ...), summed until read."""
+    """Wall time per phase of a step (generate, old_logprobs, reference, reward, values, train), summed
+    until read."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
@@ -62,8 +63,12 @@ class PhaseTimer:
         finally:
             self.seconds[phase] += time.perf_counter() - start
 
-    def read(self) -> dict[str, float]:
+    def read(self, step_seconds: float) -> dict[str, float]:
+        """time/<phase> of the phases that ran, time/other = the rest of the step (advantages, metrics,
+        host transfers), and time/step: the parts add up to the step."""
         out = {f"time/{k}": v for k, v in self.seconds.items()}
+        out["time/other"] = step_seconds - sum(self.seconds.values())
+        out["time/step"] = step_seconds
         self.seconds.clear()
         return out
 

@@ -52,7 +52,7 @@ from posttrain.models import (
     sequence_scores,
 )
 from posttrain.rewards import RewardComposer, RewardSpec
-from posttrain.rollout import HFEngine, SamplingParams
+from posttrain.rollout import ROLLOUT_ENGINES, SamplingParams
 from posttrain.trainers.checkpoint import save_checkpoint
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
@@ -154,6 +154,9 @@ class PPOConfig:
     """Device of the reward model (e.g. cpu to offload); null = the training device."""
     log_completions: int = 4
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
+    rollout_engine: str = "hf"
+    """Sampler: hf (transformers generate, any model) or lean (posttrain's decode loop, faster on CPUs and
+    small models: the same distribution and log-probs, prompts prefilled once per group)."""
 
     def validate(self) -> None:
         validate_sections(self)
@@ -174,6 +177,7 @@ class PPOConfig:
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
         check_choice("reference", self.reference, ("auto", "copy", "adapter"))
+        check_choice("rollout_engine", self.rollout_engine, tuple(ROLLOUT_ENGINES))
         if self.critic == "reward" and self.reward_model is None:
             raise ValueError("critic=reward needs reward_model (or use critic=policy / critic=shared)")
         if self.run.batch_size % self.num_generations:
@@ -234,7 +238,7 @@ class PPOTrainer:
             self.model, self.optimizer = acc.prepare(model, optimizer)
             self.critic = self.critic_optimizer = self.critic_scheduler = None
             acc.register_for_checkpointing(self.scheduler)
-            self.engine = HFEngine(acc.unwrap_model(self.model).policy, self.tokenizer)
+            self.engine = ROLLOUT_ENGINES[config.rollout_engine](acc.unwrap_model(self.model).policy, self.tokenizer)
         else:
             critic = ValueModel(  # trained through its forward: DDP synchronises its gradients
                 load_critic(
@@ -253,7 +257,7 @@ class PPOTrainer:
             )
             acc.register_for_checkpointing(self.scheduler)
             acc.register_for_checkpointing(self.critic_scheduler)
-            self.engine = HFEngine(acc.unwrap_model(self.model), self.tokenizer)
+            self.engine = ROLLOUT_ENGINES[config.rollout_engine](acc.unwrap_model(self.model), self.tokenizer)
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
 
     # -- forward passes -----------------------------------------------------------------------------
@@ -461,7 +465,7 @@ class PPOTrainer:
             done = step + 1
             seconds = time.perf_counter() - t0
             metrics.update(response_metrics(acc, rollout))
-            metrics.update(timer.read())
+            metrics.update(timer.read(seconds))
             metrics.update(
                 {
                     "score/mean": global_sum(acc, scores.sum()) / global_sum(acc, len(scores)),
@@ -470,7 +474,6 @@ class PPOTrainer:
                     / global_sum(acc, len(scores)),
                     "kl_coef": self.kl_coef,
                     "lr": self.scheduler.get_last_lr()[0],
-                    "time/step": seconds,
                     "tokens_per_s": metrics["tokens_generated"] / seconds,
                 }
             )

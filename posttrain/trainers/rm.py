@@ -120,22 +120,27 @@ class RMTask:
         return len(batch.ks)
 
     def loss(self, model, batch: RankingBatch):
+        """One forward over every response of the batch; then the rankings of each K at once, [R_K, K]."""
         scores = model(batch.sequences.input_ids, batch.sequences.attention_mask)  # a RewardScorer
+        starts = torch.tensor([0, *batch.ks[:-1]], device=scores.device).cumsum(0)
+        ks = torch.tensor(batch.ks, device=scores.device)
         loss_sum = scores.new_zeros(())
         sums = {k: scores.new_zeros(()) for k in ("correct", "pairs", "margin", "score", "score_sq", "responses")}
-        for ranking in torch.split(scores, batch.ks):  # rankings may differ in K
-            ranking = ranking.unsqueeze(0)  # [1, K]
-            loss_sum = loss_sum + ranking_loss(ranking, margin=self.margin)
-            better, worse = ranking_pairs(ranking.shape[1], ranking.device)
-            diff = ranking[0, better] - ranking[0, worse]
+        for k in sorted(set(batch.ks)):  # rankings may differ in K
+            first = starts[ks == k]
+            rankings = scores[first[:, None] + torch.arange(k, device=scores.device)]  # [R_K, K], best first
+            loss_sum = loss_sum + ranking_loss(rankings, margin=self.margin) * len(first)
+            better, worse = ranking_pairs(k, scores.device)
+            diff = rankings[:, better] - rankings[:, worse]
             if self.center_coef:
-                loss_sum = loss_sum + self.center_coef * (ranking[0, better] + ranking[0, worse]).square().mean()
+                centered = (rankings[:, better] + rankings[:, worse]).square().mean(1).sum()
+                loss_sum = loss_sum + self.center_coef * centered
             sums["correct"] += (diff > 0).sum()
             sums["pairs"] += diff.numel()
             sums["margin"] += diff.detach().sum()
-            sums["score"] += ranking.detach().sum()
-            sums["score_sq"] += ranking.detach().square().sum()
-            sums["responses"] += ranking.numel()
+            sums["score"] += rankings.detach().sum()
+            sums["score_sq"] += rankings.detach().square().sum()
+            sums["responses"] += rankings.numel()
         return loss_sum, {"loss_sum": loss_sum.detach(), **sums}
 
     def finalize(self, sums: dict, count: int) -> dict:

@@ -1,0 +1,312 @@
+"""A lean decode loop for CPUs and small models, a drop-in for ``HFEngine`` with the same outputs.
+
+Where ``model.generate`` spends its time on small models is Python around the matmuls (logits
+processors, stopping criteria, cache growth, input preparation). This loop does only what sampling
+needs, and three things ``generate`` cannot:
+
+- the prompt of a group is prefilled once and its KV cache copied to the G samples
+  (``batch_repeat_interleave``), instead of G identical prefills;
+- finished rows leave the batch with their cache rows, so late steps run on the rows still going;
+- the log-prob of each drawn token is taken from the step's logits directly,
+  log π = logits[y]/τ − logsumexp(logits/τ) (``core.token_logprobs``), without keeping a copy of a
+  [B, V] row until the next step.
+
+The distribution is ``generate``'s: EOS forbidden before ``min_new_tokens``, then temperature, then
+top-k, then top-p (the same filters, in the same order), then one draw from what is left
+(inverse CDF); τ = 0 is greedy.
+A row ends at its first EOS / stop token or stop string; the steps after it hold the pad token, as in
+``generate``. Log-probs are those of the full distribution at τ, as the training forward computes them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from posttrain.rollout.base import Rollout, SamplingParams, build_rollout, left_pad
+from posttrain.rollout.hf import HFEngine, eos_token_ids
+
+
+def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering of temperature-scaled logits [B, V]: removed tokens get −inf.
+
+    Top-k keeps every token at least as likely as the k-th (ties included); top-p keeps the smallest
+    set of most likely tokens whose probability reaches ``top_p`` (always at least one), the rule of
+    transformers' TopK/TopP warpers (Holtzman et al. 2020).
+    """
+    if top_k and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, -torch.inf)
+    if top_p < 1.0:
+        ascending, order = torch.sort(scaled, dim=-1)
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        remove[:, -1] = False
+        scaled = scaled.masked_fill(remove.scatter(1, order, remove), -torch.inf)
+    return scaled
+
+
+def draw(
+    logits: torch.Tensor, params: SamplingParams, forbid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits [B, V]; returns (tokens [B], log π(token) at the log-prob τ [B]).
+
+    The log-prob is ``core.token_logprobs``'s logits[y]/τ − logsumexp(logits/τ), taken from the same
+    log-softmax the draw uses when nothing is filtered. ``forbid``: token ids that may not be drawn at
+    this step (EOS before min_new_tokens); they keep their probability in the recorded log-prob, which
+    is the policy's, not the sampler's.
+    """
+    scaled = logits / params.logprob_temperature if params.logprob_temperature != 1.0 else logits
+    log_p = scaled - scaled.logsumexp(dim=-1, keepdim=True)
+    filtered = params.top_k > 0 or params.top_p < 1.0 or forbid is not None
+    if params.temperature == 0:
+        allowed = log_p.index_fill(1, forbid, -torch.inf) if forbid is not None else log_p
+        tokens = allowed.argmax(dim=-1)
+    elif filtered:
+        allowed = log_p.index_fill(1, forbid, -torch.inf) if forbid is not None else log_p
+        tokens = sample_categorical(filter_logits(allowed, params.top_k, params.top_p).exp())
+    else:
+        tokens = sample_categorical(log_p.exp())
+    return tokens, log_p.gather(1, tokens[:, None])[:, 0]
+
+
+def sample_categorical(weights: torch.Tensor) -> torch.Tensor:
+    """One index per row of non-negative ``weights`` [B, V] (unnormalised), by inverting the CDF: the
+    first i with cumsum(w)[i] > u·Σw, u ~ U[0, 1). A token of weight 0 is never drawn. One uniform
+    number per row instead of ``torch.multinomial``'s V exponentials."""
+    cdf = weights.cumsum(dim=-1)
+    u = torch.rand((weights.shape[0], 1), device=weights.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=weights.shape[-1] - 1)
+
+
+class LeanEngine(HFEngine):
+    """Rollout engine with the hand decode loop of the module docstring: an ``HFEngine`` (the same
+    model, tokenizer and contract) whose ``generate`` does not call transformers' ``generate``."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Rollout:
+        """Sample ``n`` responses to each prompt (token-id lists); rows of one prompt are consecutive."""
+        params.validate()
+        stop_ids = eos_token_ids(self.tokenizer, self.model, params.stop_token_ids)
+        rows = [list(p) for p in prompts for _ in range(n)]
+        device = next(self.model.parameters()).device
+        prompt_ids, prompt_mask = left_pad([list(p) for p in prompts], self.tokenizer.pad_token_id)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                sequences, logprobs, stop_positions = self._decode(
+                    prompt_ids.to(device), prompt_mask.to(device), params, n, stop_ids
+                )
+        finally:
+            self.model.train(was_training)
+        P = prompt_ids.shape[1]
+        padded = (prompt_ids.repeat_interleave(n, 0).to(device), prompt_mask.repeat_interleave(n, 0).to(device))
+        return build_rollout(
+            self.tokenizer,
+            rows,
+            sequences[:, P:].clone(),
+            stop_ids,
+            stop_positions,
+            logprobs.clone(),
+            n,
+            params.logprob_temperature,
+            padded,
+        )
+
+    def _decode(self, prompt_ids, prompt_mask, params: SamplingParams, n: int, stop_ids: list[int]):
+        """(sequences [B, P + T], logprobs [B, T], stop-string positions [B] or None), B = U·n."""
+        U, P = prompt_ids.shape
+        B, T, device = U * n, params.max_new_tokens, prompt_ids.device
+        sequences = torch.full((B, P + T), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
+        sequences[:, :P] = prompt_ids.repeat_interleave(n, 0)
+        logprobs = torch.zeros((B, T), device=device)
+        stop_tensor = torch.tensor(stop_ids, device=device)
+        stops = _StopStrings(self.tokenizer, params.stop_strings, B, device) if params.stop_strings else None
+        mask = torch.ones((B, P + T), dtype=torch.long, device=device)
+        mask[:, :P] = prompt_mask.repeat_interleave(n, 0)
+        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        padded = not bool(prompt_mask.all())  # without padding, decode steps need no attention mask
+        decoder = _decoder_for(self.model, P + T)
+        logits = decoder.prefill(prompt_ids, prompt_mask, positions, n)
+        next_position = positions[:, -1:].repeat_interleave(n, 0) + 1  # [B, 1]
+        active = torch.arange(B, device=device)  # the global row of each row still decoding
+        steps = 0
+        for t in range(T):
+            tokens, token_lp = draw(logits, params, stop_tensor if t < params.min_new_tokens else None)
+            everyone = len(active) == B
+            sequences[slice(None) if everyone else active, P + t] = tokens
+            logprobs[slice(None) if everyone else active, t] = token_lp
+            steps = t + 1
+            if t == T - 1:
+                break
+            # EOS cannot end a row before min_new_tokens; a stop string can
+            if stops is not None or t >= params.min_new_tokens:
+                finished = torch.isin(tokens, stop_tensor)
+                if stops is not None:
+                    finished |= stops.update(sequences[active, : P + t + 1], active, t)
+                if bool(finished.any()):  # the one host sync of a step: which rows leave the batch
+                    keep = (~finished).nonzero().squeeze(1)
+                    if len(keep) == 0:
+                        break
+                    decoder.select(keep)
+                    active, tokens, next_position = active[keep], tokens[keep], next_position[keep]
+            attention = mask[active, : P + t + 1] if padded else None
+            logits = decoder.step(tokens, attention, next_position)
+            next_position = next_position + 1
+        return sequences[:, : P + steps], logprobs[:, :steps], None if stops is None else stops.positions
+
+
+def _decoder_for(model: nn.Module, max_length: int):
+    """The hand-written Llama/Qwen2 step for a plain float32 Llama or Qwen2 (not peft-wrapped, no
+    sliding window, no hooks inside the backbone, which the written-out step would skip), else the
+    model's own forward on a DynamicCache."""
+    config = model.config
+    written_out = (
+        type(model).__name__ in ("LlamaForCausalLM", "Qwen2ForCausalLM")
+        and not getattr(config, "use_sliding_window", False)
+        and model.lm_head.weight.dtype == torch.float32
+        and not any(m._forward_hooks or m._forward_pre_hooks for m in model.model.modules())
+    )
+    return _LlamaDecoder(model, max_length) if written_out else _ModelDecoder(model)
+
+
+class _ModelDecoder:
+    """Decode steps through ``model.forward`` with a ``DynamicCache`` (any causal LM, peft models too)."""
+
+    def __init__(self, model: nn.Module):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+
+    def _logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
+
+    def prefill(self, prompt_ids, prompt_mask, positions, n: int) -> torch.Tensor:
+        """Each prompt once, its cache then repeated for its n samples; returns logits [U·n, V]."""
+        logits = self._logits(prompt_ids, prompt_mask, positions).repeat_interleave(n, 0)
+        self.cache.batch_repeat_interleave(n)
+        return logits
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+
+    def step(self, tokens, attention_mask, position_ids) -> torch.Tensor:
+        return self._logits(tokens[:, None], attention_mask, position_ids)
+
+
+class _LlamaDecoder(_ModelDecoder):
+    """One decode step of a Llama/Qwen2 decoder written out on 2-D [b, H] activations: fused q/k/v and
+    gate/up matmuls, one rotation for q and k together, cos/sin looked up in a table made once by the
+    model's own rotary module, a preallocated KV cache written in place, no attention mask when no
+    prompt is padded. The prefill is the model's forward (exact for any padding); its cache is copied
+    into the buffers. The weights are the model's own tensors (concatenated copies for the fused
+    matmuls, made once per ``generate``)."""
+
+    def __init__(self, model: nn.Module, max_length: int):
+        super().__init__(model)
+        config, backbone = model.config, model.model
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = backbone.layers[0].self_attn.head_dim
+        self.layers = []
+        for layer in backbone.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            self.layers.append(
+                (
+                    layer,
+                    torch.cat([p.weight for p in qkv]),
+                    None if attn.q_proj.bias is None else torch.cat([p.bias for p in qkv]),
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                )
+            )
+        positions = torch.arange(max_length, device=backbone.embed_tokens.weight.device)[None]
+        cos, sin = backbone.rotary_emb(backbone.embed_tokens.weight[:1][None], positions)
+        half = self.head_dim // 2
+        # rotate_half(x)·sin = roll(x, half)·[−sin_1, sin_2]: the sign folded into the table once
+        self.rotary = torch.stack([cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)], dim=1)
+        self.max_length = max_length
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def prefill(self, prompt_ids, prompt_mask, positions, n: int) -> torch.Tensor:
+        logits = super().prefill(prompt_ids, prompt_mask, positions, n)
+        P = prompt_ids.shape[1]
+        for layer in self.cache.layers:
+            for source, buffers in ((layer.keys, self.keys), (layer.values, self.values)):
+                buffer = source.new_empty(source.shape[0], source.shape[1], self.max_length, source.shape[3])
+                buffer[:, :, :P] = source
+                buffers.append(buffer)
+        self.length, self.cache = P, None
+        return logits
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+
+    def step(self, tokens, attention_mask, position_ids) -> torch.Tensor:
+        """tokens [b], attention_mask [b, L] (L = cache length + 1) or None, position_ids [b, 1] -> logits [b, V]."""
+        backbone, b, d, h, kv = self.model.model, tokens.shape[0], self.head_dim, self.heads, self.kv_heads
+        x = F.embedding(tokens, backbone.embed_tokens.weight)  # [b, H]
+        width = (x.shape[-1],)
+        rotary = self.rotary[position_ids[:, 0]]  # [b, 2, d]
+        cos, sin = rotary[:, None, 0], rotary[:, None, 1]  # [b, 1, d]
+        allowed = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        at = self.length
+        for (layer, w_qkv, b_qkv, w_gate_up), keys, values in zip(self.layers, self.keys, self.values, strict=True):
+            attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            qkv = F.linear(F.rms_norm(x, width, norm1.weight, norm1.variance_epsilon), w_qkv, b_qkv)
+            qk = _rotate(qkv[:, : (h + kv) * d].view(b, h + kv, d), cos, sin)
+            keys[:, :, at] = qk[:, h:]
+            values[:, :, at] = qkv[:, (h + kv) * d :].view(b, kv, d)
+            out = F.scaled_dot_product_attention(
+                qk[:, :h, None],
+                keys[:, :, : at + 1],
+                values[:, :, : at + 1],
+                attn_mask=allowed,
+                scale=attn.scaling,
+                enable_gqa=kv != h,
+            )
+            x = _add_linear(x, out.view(b, h * d), attn.o_proj)
+            gate, up = F.linear(F.rms_norm(x, width, norm2.weight, norm2.variance_epsilon), w_gate_up).chunk(2, -1)
+            x = _add_linear(x, mlp.act_fn(gate) * up, mlp.down_proj)
+        self.length += 1
+        norm = backbone.norm
+        return self.model.lm_head(F.rms_norm(x, width, norm.weight, norm.variance_epsilon)).float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) in the half-split layout of Llama checkpoints:
+    x·cos + rotate_half(x)·sin, with rotate_half(x)·sin = roll(x, d/2)·signed_sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def _add_linear(x: torch.Tensor, inputs: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """x + linear(inputs), as one addmm when the layer has no bias (the residual connection)."""
+    if linear.bias is None:
+        return torch.addmm(x, inputs, linear.weight.t())
+    return x + F.linear(inputs, linear.weight, linear.bias)
+
+
+class _StopStrings:
+    """transformers' StopStringCriteria on the decoded rows, remembering the step each row stopped at."""
+
+    def __init__(self, tokenizer, stop_strings: list[str], batch_size: int, device):
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        self.inner = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+        self.positions = torch.full((batch_size,), -1, dtype=torch.long, device=device)
+
+    def update(self, sequences: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """sequences: [b, L] of the batch rows ``rows``; returns which of them end at ``step``."""
+        done = self.inner(sequences, None)
+        self.positions[rows[done]] = step
+        return done

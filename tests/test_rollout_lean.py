@@ -1,0 +1,198 @@
+"""The lean decode loop: the rollouts of HFEngine (greedy, EOS, stop ids and strings, dropped rows), the
+sampling distribution of transformers' warpers, and log-probs equal to the training forward's."""
+
+import pytest
+import torch
+from helpers import assert_close
+
+from posttrain.models import ModelConfig, load_causal_lm, load_policy, response_logprobs
+from posttrain.rollout import HFEngine, LeanEngine, SamplingParams
+from posttrain.rollout.lean import _decoder_for, _LlamaDecoder, _ModelDecoder, draw
+
+
+@pytest.fixture(params=["policy", "qwen2"])
+def model(tiny_dir, request):
+    """A Llama with grouped-query attention (4 heads, 2 KV heads) and a Qwen2 (q/k/v biases)."""
+    return load_causal_lm(ModelConfig(path=str(tiny_dir / request.param), device="cpu"))
+
+
+def _prompts(tokenizer):
+    # different lengths: the shorter prompt is left-padded, so the attention mask matters
+    return [tokenizer("12+34=").input_ids, tokenizer("hello there, how are").input_ids]
+
+
+def _same_rollout(a, b):
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.response_mask, b.response_mask)
+    assert torch.equal(a.truncated, b.truncated)
+    assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.prompt_mask, b.prompt_mask)
+    assert a.responses == b.responses and a.prompts == b.prompts
+    assert torch.equal(a.prompt_index, b.prompt_index)
+    assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_plain_llama_and_qwen2_take_the_written_out_step(model, policy_config):
+    assert isinstance(_decoder_for(model, 8), _LlamaDecoder)
+    lora = load_policy(ModelConfig(path=policy_config.path, lora={"r": 2, "target_modules": ["q_proj"]}))
+    assert isinstance(_decoder_for(lora, 8), _ModelDecoder)  # peft-wrapped: the model's own forward
+
+
+def test_greedy_rollouts_equal_hf_generate(model, tokenizer):
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    reference = HFEngine(model, tokenizer).generate(prompts, params, n=2)
+    _same_rollout(LeanEngine(model, tokenizer).generate(prompts, params, n=2), reference)
+    # a stop id drawn by prompt 0 but not by prompt 1 ends some rows early: they leave the lean batch
+    first, second = reference.response_ids[0].tolist(), set(reference.response_ids[2].tolist())
+    stop = next(token for token in first[1:] if token not in second)
+    params = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=[stop])
+    reference = HFEngine(model, tokenizer).generate(prompts, params, n=2)
+    assert reference.truncated.tolist() == [False, False, True, True]
+    _same_rollout(LeanEngine(model, tokenizer).generate(prompts, params, n=2), reference)
+    # a stop string made of the first two characters of prompt 0's greedy answer
+    text = reference.responses[0][:2] if len(reference.responses[0]) >= 2 else reference.responses[2][:2]
+    for min_new_tokens in (0, 3):
+        params = SamplingParams(max_new_tokens=8, temperature=0, stop_strings=[text], min_new_tokens=min_new_tokens)
+        _same_rollout(
+            LeanEngine(model, tokenizer).generate(prompts, params, n=1),
+            HFEngine(model, tokenizer).generate(prompts, params, n=1),
+        )
+
+
+def test_every_row_stopping_early_shortens_the_rollout_as_generate_does(model, tokenizer):
+    prompts = _prompts(tokenizer)
+    greedy = HFEngine(model, tokenizer).generate(prompts, SamplingParams(max_new_tokens=6, temperature=0))
+    stops = [greedy.response_ids[0, 2].item(), greedy.response_ids[1, 1].item()]
+    params = SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=stops)
+    reference = HFEngine(model, tokenizer).generate(prompts, params)
+    lean = LeanEngine(model, tokenizer).generate(prompts, params)
+    assert reference.response_length < 20 and not reference.truncated.any()
+    _same_rollout(lean, reference)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=24, temperature=1.0),
+        SamplingParams(max_new_tokens=24, temperature=0.7),
+        SamplingParams(max_new_tokens=16, temperature=0.9, top_k=5, top_p=0.8, min_new_tokens=4),
+        SamplingParams(max_new_tokens=12, temperature=0),
+    ],
+    ids=["t1", "t0.7", "topk-topp-min", "greedy"],
+)
+def test_logprobs_equal_the_training_forward(model, tokenizer, params):
+    torch.manual_seed(0)
+    rollout = LeanEngine(model, tokenizer).generate(_prompts(tokenizer), params, n=3)
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(
+            model, rollout.input_ids, rollout.attention_mask, rollout.response_length, params.logprob_temperature
+        )
+    mask = rollout.response_mask.bool()
+    assert (recomputed - rollout.logprobs)[mask].abs().max() < 1e-5
+    assert (rollout.logprobs[~mask] == 0).all()
+    assert model.training is False  # load_causal_lm gives an eval model; generate restores the mode it found
+
+
+def test_lora_policy_falls_back_to_the_model_forward_and_stays_exact(policy_config, tokenizer):
+    config = ModelConfig(path=policy_config.path, lora={"r": 2, "target_modules": ["q_proj"], "lora_dropout": 0.0})
+    policy = load_policy(config)
+    torch.manual_seed(0)
+    rollout = LeanEngine(policy, tokenizer).generate(_prompts(tokenizer), SamplingParams(max_new_tokens=6), n=2)
+    with torch.no_grad():
+        lp, _ = response_logprobs(policy, rollout.input_ids, rollout.attention_mask, rollout.response_length)
+    mask = rollout.response_mask.bool()
+    assert_close(lp[mask], rollout.logprobs[mask], atol=1e-5, rtol=0)
+    assert policy.training
+
+
+def _warped_probs(logits, temperature, top_k, top_p, forbid=None):
+    """The distribution transformers' own processors give: EOS forbidden, temperature, top-k, top-p."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = logits.clone()
+    if forbid is not None:
+        scores[:, forbid] = -torch.inf
+    scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores.softmax(-1)[0]
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,forbid",
+    [(1.0, 0, 1.0, None), (0.7, 0, 1.0, None), (1.0, 5, 1.0, None), (0.8, 0, 0.6, None), (1.3, 8, 0.9, [3, 4])],
+)
+def test_draw_has_the_distribution_of_transformers_warpers(temperature, top_k, top_p, forbid):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 40, generator=generator) * 2
+    expected = _warped_probs(logits, temperature, top_k, top_p, forbid)
+    torch.manual_seed(1)
+    n = 40_000
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens, logprobs = draw(logits.expand(n, -1), params, None if forbid is None else torch.tensor(forbid))
+    frequencies = torch.bincount(tokens, minlength=40).double() / n
+    assert (frequencies[expected == 0] == 0).all()  # filtered and forbidden tokens are never drawn
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert ((frequencies - expected).abs() <= 5 * sigma + 1e-4).all()
+    # recorded log-probs: the full distribution at τ, whatever was filtered or forbidden
+    assert_close(logprobs, torch.log_softmax(logits / temperature, -1)[0, tokens], atol=1e-6, rtol=0)
+
+
+def test_first_token_distribution_of_the_engine_is_the_models(model, tokenizer):
+    prompt = tokenizer("12+34=").input_ids
+    params = SamplingParams(max_new_tokens=1, temperature=0.8, top_k=10)
+    torch.manual_seed(0)
+    n = 20_000
+    rollout = LeanEngine(model, tokenizer).generate([prompt], params, n=n)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[:, -1]
+    expected = _warped_probs(logits, 0.8, 10, 1.0)
+    frequencies = torch.bincount(rollout.response_ids[:, 0], minlength=logits.shape[-1]).double() / n
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert ((frequencies - expected).abs() <= 5 * sigma + 1e-4).all()
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "ppo"])
+def test_online_trainers_with_the_lean_engine_start_on_policy_and_time_every_phase(tiny_dir, tmp_path, trainer):
+    import json
+
+    from posttrain.trainers.config import load_config
+    from posttrain.trainers.metrics import read_metrics
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(8)))
+    common = [
+        f"model.path={tiny_dir / 'policy'}",
+        f"data.path={prompts}",
+        "data.chat_template=never",
+        f"run.output_dir={tmp_path / trainer}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "run.max_steps=2",
+        "run.batch_size=8",
+        "run.micro_batch_size=4",
+        "rewards=[{function: 'posttrain.rewards.builtin:starts_with_answer'}]",
+        "sampling.max_new_tokens=6",
+        "sampling.temperature=0.7",
+        "rollout_engine=lean",
+    ]
+    if trainer == "grpo":
+        from posttrain.trainers.grpo import GRPOConfig as Config
+        from posttrain.trainers.grpo import train
+
+        overrides = ["num_generations=4", "num_iterations=2", "kl_coef=0.04"]
+    else:
+        from posttrain.trainers.ppo import PPOConfig as Config
+        from posttrain.trainers.ppo import train
+
+        overrides = ["critic=policy", "ppo_epochs=2"]
+    config = load_config(Config, None, common + overrides)
+    train(config)
+    for record in read_metrics(config.run.output_dir):
+        assert abs(record["policy/first_minibatch_ratio_max"] - 1) < 1e-5
+        assert abs(record["policy/first_minibatch_ratio_min"] - 1) < 1e-5
+        phases = ["generate", "reward", "reference", "train"] + (["values"] if trainer == "ppo" else [])
+        parts = sum(record[f"time/{p}"] for p in phases)
+        assert record["time/other"] >= 0 and abs(parts + record["time/other"] - record["time/step"]) < 1e-9
