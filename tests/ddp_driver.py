@@ -10,6 +10,7 @@ the number of processes each run had.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,4 +44,6 @@ def run(runs: list) -> list[int]:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)  # two ranks share the cores
-    print(json.dumps(run(json.loads(Path(sys.argv[1]).read_text()))))
+    processes = run(json.loads(Path(sys.argv[1]).read_text()))
+    if os.environ.get("RANK", "0") == "0":  # one line: two ranks printing at once can interleave
+        print(json.dumps(processes), flush=True)
