@@ -439,3 +439,29 @@ def test_examples_run_as_written(tmp_path, monkeypatch):
         result = modules[kind].train(config)
         assert result["steps"] == 2, name
         assert (tmp_path / config.run.output_dir / "final").is_dir(), name
+
+
+def test_reward_normalisation_samples_through_the_exact_sampling_path(tiny_dir, tmp_path, tokenizer):
+    # issue 9 item 1: normalize_policy samples with HFEngine, so a checkpoint's own generation_config
+    # (top_k=20, repetition_penalty=1.5, ...) must not change the samples the statistics come from
+    from helpers import copy_with_generation_defaults
+
+    from posttrain.models import load_scalar_model
+    from posttrain.trainers.rm import normalize_reward
+
+    data = _jsonl(tmp_path / "pairs.jsonl", vowel_pairs(16, seed=0))
+    styled = copy_with_generation_defaults(tiny_dir / "policy", tmp_path / "styled")
+    stats = []
+    for policy in (str(tiny_dir / "policy"), styled):
+        config = _rm_config(
+            tiny_dir,
+            tmp_path,
+            data,
+            "norm",
+            f"normalize_policy={policy}",
+            "normalize_samples=16",
+            "normalize_max_new_tokens=12",
+        )
+        reward = load_scalar_model(ModelConfig(path=str(tiny_dir / "reward"), device="cpu"), "reward")
+        stats.append(normalize_reward(reward, tokenizer, config, torch.device("cpu")))
+    assert stats[0] == stats[1]
