@@ -4,7 +4,9 @@ Every role used for RL (policy, reference, reward, value) runs without dropout: 
 on the same input must be bit-identical, or the PPO ratio is not 1 at the first minibatch
 (PITFALLS #5). ``disable_dropout`` zeroes every dropout module, every dropout rate a module copied
 from the config when it was built, and the config's rates, so the model is deterministic in
-``train()`` mode too.
+``train()`` mode too. Models are returned in train mode, which transformers needs to checkpoint
+gradients (``gradient_checkpointing``); the frozen roles (reference, reward model) switch
+themselves to eval mode.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def _from_pretrained(auto_class, config: ModelConfig, **extra):
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    model.train()  # from_pretrained returns eval mode, where transformers never checkpoints
     return model
 
 
