@@ -293,3 +293,22 @@ def test_attention_dropout_of_the_checkpoint_is_off_in_train_mode(dropout_dir, r
     ids = torch.tensor([[1, 20, 30, 40, 50, 60, 70, 80, 90, 15, 25, 35]])
     out1, out2 = model(input_ids=ids).logits, model(input_ids=ids).logits
     assert torch.equal(out1, out2)
+
+
+@pytest.mark.parametrize("kind", ["full", "new_lora", "trained_adapter"])
+def test_loaded_policy_checkpoints_gradients(tiny_dir, tmp_path, kind):
+    # issue 9 item 6: models loaded in eval mode (from_pretrained; peft's load_adapter of the frozen
+    # reference adapter) never checkpoint; a trained policy is returned in train mode
+    path = str(tiny_dir / "policy")
+    if kind == "trained_adapter":
+        load_policy(ModelConfig(path=path, lora=LORA)).save_pretrained(tmp_path / "adapter")
+        path = str(tmp_path / "adapter")
+    policy = load_policy(
+        ModelConfig(path=path, lora=LORA if kind == "new_lora" else None, gradient_checkpointing=True)
+    )
+    calls = []
+    attention = next(m for n, m in policy.named_modules() if n.endswith("layers.0.self_attn"))
+    attention.register_forward_hook(lambda module, inputs, output: calls.append(1))
+    ids = torch.tensor([[1, 30, 31, 32, 40, 41, 42]])
+    response_logprobs(policy, ids, torch.ones_like(ids), 4)[0].sum().backward()
+    assert len(calls) == 2  # the forward, and its recomputation in the backward
