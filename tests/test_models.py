@@ -303,9 +303,7 @@ def test_loaded_policy_checkpoints_gradients(tiny_dir, tmp_path, kind):
     if kind == "trained_adapter":
         load_policy(ModelConfig(path=path, lora=LORA)).save_pretrained(tmp_path / "adapter")
         path = str(tmp_path / "adapter")
-    policy = load_policy(
-        ModelConfig(path=path, lora=LORA if kind == "new_lora" else None, gradient_checkpointing=True)
-    )
+    policy = load_policy(ModelConfig(path=path, lora=LORA if kind == "new_lora" else None, gradient_checkpointing=True))
     calls = []
     attention = next(m for n, m in policy.named_modules() if n.endswith("layers.0.self_attn"))
     attention.register_forward_hook(lambda module, inputs, output: calls.append(1))
