@@ -26,8 +26,9 @@ from posttrain.rollout.base import Rollout, SamplingParams, build_rollout, left_
 class _SamplingLogprobs:
     """A logits processor that records log π(token) of every drawn token, at temperature τ.
 
-    Placed first among the custom processors, which transformers applies before its own temperature,
-    top-k and top-p warpers, so it sees the model's raw logits.
+    Placed first among the custom processors. transformers runs them after its own processors
+    (repetition penalty, bad words, ...: all neutral here, see ``NEUTRAL_GENERATION``) and before its
+    temperature, top-k and top-p warpers, so it sees the model's raw logits.
     """
 
     def __init__(self, temperature: float, prompt_length: int):
