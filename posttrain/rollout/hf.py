@@ -138,7 +138,7 @@ def sampling_generation_config(params: SamplingParams, stop_ids: list[int], pad_
             **NEUTRAL_GENERATION,
             "do_sample": not greedy,
             "temperature": 1.0 if greedy else params.temperature,
-            "top_k": 0 if greedy else params.top_k,
+            "top_k": None if greedy else params.top_k,  # warpers never run when greedy; 0 would be warned about
             "top_p": 1.0 if greedy else params.top_p,
             "max_new_tokens": params.max_new_tokens,
             "eos_token_id": stop_ids,
