@@ -477,7 +477,8 @@ def _attention_calls_with_grad(model) -> list[int]:
     def hook(module, inputs, output):
         calls[0] += torch.is_grad_enabled()
 
-    model.model.layers[0].self_attn.register_forward_hook(hook)
+    attention = next(m for name, m in model.named_modules() if name.endswith("layers.0.self_attn"))
+    attention.register_forward_hook(hook)
     return calls
 
 
