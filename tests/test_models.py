@@ -1,6 +1,7 @@
 """The four roles on real (tiny, locally built) Hugging Face checkpoints."""
 
 import copy
+import dataclasses
 import hashlib
 
 import pytest
@@ -248,3 +249,64 @@ def test_qwen2_architecture_works_through_the_same_path(tiny_dir, tokenizer):
     with torch.no_grad():
         lp = sequence_logprobs(model, ids, torch.ones_like(ids))
     assert lp.shape == ids.shape and torch.isfinite(lp).all() and lp[0, 0] == 0
+
+
+@pytest.fixture(scope="module")
+def dropout_dir(tiny_dir, tmp_path_factory):
+    """Copies of the tiny policy and reward model whose config.json says attention_dropout: 0.1."""
+    import json
+    import shutil
+
+    root = tmp_path_factory.mktemp("dropout")
+    for name in ("policy", "reward"):
+        shutil.copytree(tiny_dir / name, root / name)
+        path = root / name / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "attention_dropout": 0.1}))
+    return root
+
+
+def _role(dropout_dir, role):
+    policy = ModelConfig(path=str(dropout_dir / "policy"), device="cpu")
+    reward = ModelConfig(path=str(dropout_dir / "reward"), device="cpu")
+    if role == "policy":
+        return load_policy(policy)
+    if role == "lora_policy":
+        return load_policy(dataclasses.replace(policy, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}))
+    if role == "reference_copy":
+        return Reference.from_policy(load_policy(policy), share="copy").model
+    if role == "reference_path":
+        return Reference(model=load_causal_lm(policy)).model
+    if role == "reward":
+        return load_reward_model(reward)
+    return load_critic(role.removeprefix("critic_"), policy, reward)
+
+
+@pytest.mark.parametrize(
+    "role",
+    ["policy", "lora_policy", "reference_copy", "reference_path", "reward", "critic_reward", "critic_policy"],
+)
+def test_attention_dropout_of_the_checkpoint_is_off_in_train_mode(dropout_dir, role):
+    # issue 9 item 8: disable_dropout zeroed config.attention_dropout after the attention modules had
+    # copied it, so attention dropout stayed on in train mode
+    model = _role(dropout_dir, role)
+    model.train()
+    ids = torch.tensor([[1, 20, 30, 40, 50, 60, 70, 80, 90, 15, 25, 35]])
+    out1, out2 = model(input_ids=ids).logits, model(input_ids=ids).logits
+    assert torch.equal(out1, out2)
+
+
+@pytest.mark.parametrize("kind", ["full", "new_lora", "trained_adapter"])
+def test_loaded_policy_checkpoints_gradients(tiny_dir, tmp_path, kind):
+    # issue 9 item 6: models loaded in eval mode (from_pretrained; peft's load_adapter of the frozen
+    # reference adapter) never checkpoint; a trained policy is returned in train mode
+    path = str(tiny_dir / "policy")
+    if kind == "trained_adapter":
+        load_policy(ModelConfig(path=path, lora=LORA)).save_pretrained(tmp_path / "adapter")
+        path = str(tmp_path / "adapter")
+    policy = load_policy(ModelConfig(path=path, lora=LORA if kind == "new_lora" else None, gradient_checkpointing=True))
+    calls = []
+    attention = next(m for n, m in policy.named_modules() if n.endswith("layers.0.self_attn"))
+    attention.register_forward_hook(lambda module, inputs, output: calls.append(1))
+    ids = torch.tensor([[1, 30, 31, 32, 40, 41, 42]])
+    response_logprobs(policy, ids, torch.ones_like(ids), 4)[0].sum().backward()
+    assert len(calls) == 2  # the forward, and its recomputation in the backward

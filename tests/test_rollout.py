@@ -164,3 +164,48 @@ def test_vllm_engine_needs_vllm_and_a_gpu(tiny_dir, tokenizer):
     with torch.no_grad():
         lp, _ = response_logprobs(policy, rollout.input_ids.cuda(), rollout.attention_mask.cuda(), 8, 0.7)
     assert torch.isfinite(lp).all()
+
+
+def _first_tokens(model, tokenizer, prompt, n, temperature):
+    """(distinct first tokens among ``n`` samples, their expected number under the full softmax)."""
+    torch.manual_seed(0)
+    rollout = HFEngine(model, tokenizer).generate(
+        [prompt], SamplingParams(max_new_tokens=1, temperature=temperature), n
+    )
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].double()
+    p = torch.softmax(logits / temperature, dim=-1)
+    expected = float((1 - (1 - p) ** n).sum())  # E[#distinct] = Σ_v 1 − (1 − p_v)^n
+    return len(set(rollout.response_ids[:, 0].tolist())), expected
+
+
+@pytest.mark.parametrize("temperature", [1.0, 5.0])
+def test_top_k_zero_samples_the_full_softmax(policy, tokenizer, temperature):
+    # issue 9 item 1: top_k=0 was passed as None and transformers filled in its default top_k=50
+    distinct, expected = _first_tokens(policy, tokenizer, tokenizer("12+34=").input_ids, 1000, temperature)
+    assert expected > 90  # the tiny model's softmax is near-uniform over its 100 tokens
+    assert abs(distinct - expected) <= 0.1 * expected, (distinct, expected)
+
+
+def test_checkpoint_generation_config_does_not_change_sampling(tiny_dir, tokenizer, tmp_path):
+    # issue 9 item 1: a checkpoint's top_k=20, repetition_penalty=1.5 (and more) changed the distribution
+    from helpers import copy_with_generation_defaults
+
+    plain = load_causal_lm(ModelConfig(path=str(tiny_dir / "policy"), device="cpu"))
+    styled_path = copy_with_generation_defaults(tiny_dir / "policy", tmp_path / "styled")
+    styled = load_causal_lm(ModelConfig(path=styled_path, device="cpu"))
+    assert styled.generation_config.top_k == 20 and styled.generation_config.repetition_penalty == 1.5
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    rollouts = []
+    for model in (plain, styled):
+        torch.manual_seed(3)
+        rollouts.append(HFEngine(model, tokenizer).generate(_prompts(tokenizer), params, n=4))
+    assert torch.equal(rollouts[0].response_ids, rollouts[1].response_ids)  # the same draws: same distribution
+    rollout = rollouts[1]
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(styled, rollout.input_ids, rollout.attention_mask, rollout.response_length)
+    mask = rollout.response_mask.bool()
+    assert (recomputed - rollout.logprobs)[mask].abs().max() < 1e-5
+    distinct, expected = _first_tokens(styled, tokenizer, tokenizer("12+34=").input_ids, 1000, 1.0)
+    assert abs(distinct - expected) <= 0.1 * expected, (distinct, expected)
+    assert styled.generation_config.top_k == 20  # the model's own config is left as it was

@@ -281,9 +281,10 @@ def test_dpo_starts_at_log2_and_learns(tiny_dir, tmp_path):
         assert key in records[0]
 
 
-def test_dpo_precomputed_reference_matches_frozen_copy(tiny_dir, tmp_path):
-    copy = _dpo_config(tiny_dir, tmp_path, "copy", "reference=copy", "run.max_steps=3")
-    pre = _dpo_config(tiny_dir, tmp_path, "pre", "reference=precompute", "run.max_steps=3")
+@pytest.mark.parametrize("loss", [[], ["loss_type=ipo", "ipo_logps=mean"]])
+def test_dpo_precomputed_reference_matches_frozen_copy(tiny_dir, tmp_path, loss):
+    copy = _dpo_config(tiny_dir, tmp_path, "copy", "reference=copy", "run.max_steps=3", *loss)
+    pre = _dpo_config(tiny_dir, tmp_path, "pre", "reference=precompute", "run.max_steps=3", *loss)
     train_dpo(copy)
     train_dpo(pre)
     a, b = _weights(copy.run.output_dir), _weights(pre.run.output_dir)
@@ -439,3 +440,67 @@ def test_examples_run_as_written(tmp_path, monkeypatch):
         result = modules[kind].train(config)
         assert result["steps"] == 2, name
         assert (tmp_path / config.run.output_dir / "final").is_dir(), name
+
+
+def test_reward_normalisation_samples_through_the_exact_sampling_path(tiny_dir, tmp_path, tokenizer):
+    # issue 9 item 1: normalize_policy samples with HFEngine, so a checkpoint's own generation_config
+    # (top_k=20, repetition_penalty=1.5, ...) must not change the samples the statistics come from
+    from helpers import copy_with_generation_defaults
+
+    from posttrain.models import load_scalar_model
+    from posttrain.trainers.rm import normalize_reward
+
+    data = _jsonl(tmp_path / "pairs.jsonl", vowel_pairs(16, seed=0))
+    styled = copy_with_generation_defaults(tiny_dir / "policy", tmp_path / "styled")
+    stats = []
+    for policy in (str(tiny_dir / "policy"), styled):
+        config = _rm_config(
+            tiny_dir,
+            tmp_path,
+            data,
+            "norm",
+            f"normalize_policy={policy}",
+            "normalize_samples=16",
+            "normalize_max_new_tokens=12",
+        )
+        reward = load_scalar_model(ModelConfig(path=str(tiny_dir / "reward"), device="cpu"), "reward")
+        stats.append(normalize_reward(reward, tokenizer, config, torch.device("cpu")))
+    assert stats[0] == stats[1]
+
+
+class _UniformLM(torch.nn.Module):
+    """Every next token equally likely among V = 4: log π(token) = −log 4 at every position."""
+
+    def forward(self, input_ids, **kwargs):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=torch.zeros(*input_ids.shape, 4))
+
+
+@pytest.mark.parametrize("ipo_logps", ["sum", "mean"])
+def test_ipo_convention_summed_or_token_averaged_logps_by_hand(ipo_logps):
+    # Done-means of issue 9: IPO's convention is stated and selectable
+    from posttrain.data import PreferenceExample
+    from posttrain.trainers.dpo import DPOExample, DPOTask
+
+    config = DPOConfig(loss_type="ipo", beta=0.5, ipo_logps=ipo_logps)  # target h = 1/(2β) = 1
+    # chosen: 3 tokens, rejected: 1 token; precomputed reference log-probs −3 and −1
+    example = DPOExample(PreferenceExample([1, 2], [3, 0, 1], [2]), ref_chosen=-3.0, ref_rejected=-1.0)
+    task = DPOTask(None, 0, config)
+    _, sums = task.loss(_UniformLM(), task.collate([example]))
+    log4 = math.log(4)
+    if ipo_logps == "sum":  # h = (−3·log 4 + 3) − (−log 4 + 1) = 2 − 2·log 4
+        expected = (2 - 2 * log4 - 1) ** 2
+    else:  # h = (−log 4 + 3) − (−log 4 + 1) = 2
+        expected = (2 - 1) ** 2
+    assert float(sums["loss_sum"]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_ipo_logps_is_checked(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: m}\ndata: {path: d}\n")
+    assert load_config(DPOConfig, path, ["loss_type=ipo", "ipo_logps=mean"]).ipo_logps == "mean"
+    with pytest.raises(ValueError, match=r"ipo_logps must be one of \('sum', 'mean'\)"):
+        load_config(DPOConfig, path, ["loss_type=ipo", "ipo_logps=median"])
+    with pytest.raises(ValueError, match="ipo_logps applies to loss_type=ipo only"):
+        load_config(DPOConfig, path, ["ipo_logps=mean"])

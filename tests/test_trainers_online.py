@@ -17,7 +17,7 @@ from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer, _scores_with_missin
 from posttrain.trainers.grpo import train as train_grpo
 from posttrain.trainers.metrics import read_metrics
 from posttrain.trainers.online import PhaseTimer
-from posttrain.trainers.ppo import PPOConfig
+from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 from posttrain.trainers.ppo import train as train_ppo
 
 EXACT = "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]"
@@ -464,3 +464,54 @@ def test_missing_eos_penalty_looks_at_the_response_only(tiny_dir, vowel_rm, tmp_
     trainer.config.missing_eos_penalty = None
     plain, _ = trainer.scores(rollout, {})
     assert (plain - penalised).tolist() == pytest.approx([0.0, 2.0])
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _attention_calls_with_grad(model) -> list[int]:
+    """A counter of forward calls of the first decoder layer's attention under autograd: one per
+    training forward, and one more when gradient checkpointing recomputes it in the backward."""
+    calls = [0]
+
+    def hook(module, inputs, output):
+        calls[0] += torch.is_grad_enabled()
+
+    attention = next(m for name, m in model.named_modules() if name.endswith("layers.0.self_attn"))
+    attention.register_forward_hook(hook)
+    return calls
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "ppo_shared", "grpo"])
+def test_gradient_checkpointing_recomputes_in_the_trained_models(tiny_dir, tmp_path, algorithm):
+    # issue 9 item 6: the models stayed in eval mode, where transformers never checkpoints
+    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": "1+2=", "answer": "3"}] * 8)
+    common = [
+        f"model.path={tiny_dir / 'policy'}",
+        f"data.path={prompts}",
+        "data.chat_template=never",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "run.max_steps=1",
+        "run.batch_size=4",
+        "run.micro_batch_size=2",  # 2 training micro-batches per model
+        "sampling.max_new_tokens=4",
+    ]
+    counts = {}
+    for checkpointing in (False, True):
+        overrides = [*common, f"run.output_dir={tmp_path / str(checkpointing)}"]
+        overrides.append(f"model.gradient_checkpointing={str(checkpointing).lower()}")
+        if algorithm == "grpo":
+            trainer = GRPOTrainer(load_config(GRPOConfig, None, [*overrides, EXACT, "num_generations=2"]))
+            models = {"policy": trainer.model}
+        else:
+            critic = "shared" if algorithm == "ppo_shared" else "reward"
+            overrides += [f"reward_model.path={tiny_dir / 'reward'}", f"critic={critic}", "ppo_epochs=1"]
+            trainer = PPOTrainer(load_config(PPOConfig, None, overrides))
+            models = {"policy": trainer.engine.model}
+            if critic == "reward":
+                models["critic"] = trainer.critic
+        calls = {role: _attention_calls_with_grad(trainer.accelerator.unwrap_model(m)) for role, m in models.items()}
+        trainer.train()
+        counts[checkpointing] = {role: c[0] for role, c in calls.items()}
+    assert counts == {False: {role: 2 for role in models}, True: {role: 4 for role in models}}

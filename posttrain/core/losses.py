@@ -168,7 +168,10 @@ def dpo_loss(
         ipo:     (h − 1/(2β))²                            (Azar et al. 2023, eq. 17)
         hinge:   relu(1 − β·h)                            (SLiC, Zhao et al. 2023)
 
-    All inputs [B]: summed log-probs of the chosen (w) and rejected (l) responses.
+    All inputs [B]: log π(y|x) of the chosen (w) and rejected (l) responses. Both papers use the
+    sequence log-likelihood, the sum of the response's token log-probs; TRL's IPO passes their mean
+    over the response's tokens instead, which puts the IPO target h = 1/(2β) per token rather than per
+    sequence (``posttrain dpo`` takes either: ``ipo_logps``).
     Returns (losses [B], chosen_rewards [B], rejected_rewards [B]); rewards are β·(log π − log π_ref),
     detached.
     """

@@ -2,8 +2,11 @@
 
 With a chat template the prompt is rendered with ``add_generation_prompt=True`` and the completion
 is the text the full conversation adds after it, so the template's own end-of-turn tokens are part
-of the completion and get trained. Without one, prompt and completion are concatenated and the EOS
-token is appended to the completion: the model must learn to stop (PITFALLS #7).
+of the completion and get trained; whitespace a template renders after its end-of-turn token
+(Qwen's ``<|im_end|>\\n``) is left out, because generation stops at that token: the reward model
+is then trained reading the score at the token PPO reads it at. Without a template, prompt and
+completion are concatenated and the EOS token is appended to the completion: the model must learn
+to stop (PITFALLS #7).
 
 Over-long rows follow ``overlong``: ``truncate`` shortens the prompt's text from the left (its
 start is the part furthest from the answer) and renders it again, so the template stays intact
@@ -88,7 +91,21 @@ class Encoder:
         full_text = self.tokenizer.apply_chat_template(prompt_messages + reply, tokenize=False)
         if not full_text.startswith(prompt_text):
             raise DataError(where, field, "the chat template renders the prompt differently once a reply follows")
-        return self.tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
+        return self._end_at_end_of_turn(ids)
+
+    def _end_at_end_of_turn(self, ids: list[int]) -> list[int]:
+        """The completion up to its last special token when only whitespace follows it.
+
+        Templates such as Qwen's render ``<|im_end|>\\n``: the model stops at ``<|im_end|>`` (an EOS id),
+        so a rollout ends there and PPO reads the reward model at it. Training on the ``\\n`` too
+        would teach the reward model to score at a token it never sees in RL.
+        """
+        special = set(self.tokenizer.all_special_ids)
+        last = max((i for i, token in enumerate(ids) if token in special), default=None)
+        if last is None or self.tokenizer.decode(ids[last + 1 :]).strip():
+            return ids
+        return ids[: last + 1]
 
     # -- length limits -----------------------------------------------------------------------------
 

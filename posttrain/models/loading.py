@@ -2,8 +2,11 @@
 
 Every role used for RL (policy, reference, reward, value) runs without dropout: two forward passes
 on the same input must be bit-identical, or the PPO ratio is not 1 at the first minibatch
-(PITFALLS #5). ``disable_dropout`` zeroes every ``nn.Dropout`` and every ``*dropout*`` float in the
-config, so the model stays deterministic in ``train()`` mode too.
+(PITFALLS #5). ``disable_dropout`` zeroes every dropout module, every dropout rate a module copied
+from the config when it was built, and the config's rates, so the model is deterministic in
+``train()`` mode too. Models are returned in train mode, which transformers needs to checkpoint
+gradients (``gradient_checkpointing``); the frozen roles (reference, reward model) switch
+themselves to eval mode.
 """
 
 from __future__ import annotations
@@ -58,16 +61,36 @@ class ModelConfig:
         return torch.device(self.device)
 
 
+def _is_dropout_name(name: str) -> bool:
+    return "dropout" in name or "pdrop" in name  # attention_dropout, hidden_dropout_prob, attn_pdrop, ...
+
+
+def _zero_config_dropout(config) -> None:
+    from transformers import PretrainedConfig
+
+    for key in list(config.to_dict()):
+        value = getattr(config, key, None)
+        if isinstance(value, PretrainedConfig):  # text_config, vision_config, ...
+            _zero_config_dropout(value)
+        elif _is_dropout_name(key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+
+
 def disable_dropout(model: nn.Module) -> nn.Module:
-    """Set every dropout probability in ``model`` (modules and config) to 0. Returns the model."""
+    """Set every dropout probability in ``model`` to 0: each dropout module's ``p``, each float
+    attribute named like a dropout rate that a module holds (attention modules copy
+    ``config.attention_dropout`` into ``self.attention_dropout`` when they are built and pass it to
+    the attention kernel in train mode), and the config's rates (for what is saved). Returns the model.
+    """
     for module in model.modules():
-        if isinstance(module, nn.Dropout):
+        if isinstance(module, nn.modules.dropout._DropoutNd):
             module.p = 0.0
+        for name, value in vars(module).items():
+            if _is_dropout_name(name) and isinstance(value, float):
+                setattr(module, name, 0.0)
     config = getattr(model, "config", None)
     if config is not None:
-        for key, value in config.to_dict().items():
-            if "dropout" in key and isinstance(value, float):
-                setattr(config, key, 0.0)
+        _zero_config_dropout(config)
     return model
 
 
@@ -100,6 +123,7 @@ def _from_pretrained(auto_class, config: ModelConfig, **extra):
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    model.train()  # from_pretrained returns eval mode, where transformers never checkpoints
     return model
 
 

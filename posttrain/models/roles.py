@@ -205,6 +205,7 @@ def load_policy(config: ModelConfig) -> nn.Module:
         model = PeftModel.from_pretrained(base, config.path, is_trainable=True)
         model.load_adapter(config.path, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
         model.set_adapter("default")
+        model.train()  # loading the frozen adapter put the whole model in eval mode: no checkpointing there
         return disable_dropout(model)
     model = load_causal_lm(config)
     if config.lora is not None:

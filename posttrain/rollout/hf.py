@@ -5,9 +5,16 @@ training forward recomputes with ``core.token_logprobs`` (PITFALLS #4). They are
 top-k/top-p and before min-new-tokens forbids EOS: those change which token is drawn, not the
 policy's probability of it. The recorder keeps one [B, V] row of logits at a time (the token drawn
 at step t is only known at step t + 1), never the [B, T, V] of ``output_logits=True``.
+
+What is sampled is softmax(logits / τ), then the user's top-k / top-p, and nothing else: every other
+generation setting is neutral whatever the checkpoint's generation_config.json says (an instruct
+checkpoint's top_k=20 or repetition penalty would change the distribution, and a repetition penalty
+runs before the recorder, so it would also change the recorded log-probs).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -19,8 +26,9 @@ from posttrain.rollout.base import Rollout, SamplingParams, build_rollout, left_
 class _SamplingLogprobs:
     """A logits processor that records log π(token) of every drawn token, at temperature τ.
 
-    Placed first among the custom processors, which transformers applies before its own temperature,
-    top-k and top-p warpers, so it sees the model's raw logits.
+    Placed first among the custom processors. transformers runs them after its own processors
+    (repetition penalty, bad words, ...: all neutral here, see ``NEUTRAL_GENERATION``) and before its
+    temperature, top-k and top-p warpers, so it sees the model's raw logits.
     """
 
     def __init__(self, temperature: float, prompt_length: int):
@@ -78,6 +86,83 @@ def eos_token_ids(tokenizer, model: nn.Module | None = None, extra: list[int] | 
     return sorted(ids)
 
 
+# Every GenerationConfig field that changes which token is drawn or where a row ends, at its neutral
+# value; ``sampling_generation_config`` sets the user's temperature, top_k, top_p and lengths on top.
+# transformers fills each field left None from the checkpoint's generation_config.json and then from
+# its global defaults (top_k=50), so "off" is written out wherever it has a value, and the
+# checkpoint's config is kept out of ``generate`` (``_checkpoint_defaults_off``) for the fields whose
+# only "off" is None (bad words, suppressed or forced tokens, sequence bias, watermarking, ...).
+NEUTRAL_GENERATION = dict(
+    num_beams=1,
+    num_return_sequences=1,
+    top_k=0,
+    top_p=1.0,
+    min_p=None,
+    top_h=None,
+    typical_p=1.0,
+    epsilon_cutoff=0.0,
+    eta_cutoff=0.0,
+    repetition_penalty=1.0,
+    encoder_repetition_penalty=1.0,
+    no_repeat_ngram_size=0,
+    encoder_no_repeat_ngram_size=0,
+    bad_words_ids=None,
+    sequence_bias=None,
+    suppress_tokens=None,
+    begin_suppress_tokens=None,
+    forced_bos_token_id=None,
+    forced_eos_token_id=None,
+    min_length=0,  # min_new_tokens is our own processor, placed after the log-prob recorder
+    length_penalty=1.0,
+    exponential_decay_length_penalty=None,
+    guidance_scale=None,
+    watermarking_config=None,
+    renormalize_logits=False,
+    remove_invalid_values=False,
+    stop_strings=None,
+    max_time=None,
+    constraints=None,
+    force_words_ids=None,
+    penalty_alpha=None,
+    dola_layers=None,
+)
+
+
+def sampling_generation_config(params: SamplingParams, stop_ids: list[int], pad_token_id: int):
+    """The GenerationConfig that samples exactly softmax(logits / τ) (then the user's top-k / top-p)."""
+    from transformers import GenerationConfig
+
+    greedy = params.temperature == 0
+    return GenerationConfig(
+        **{
+            **NEUTRAL_GENERATION,
+            "do_sample": not greedy,
+            "temperature": 1.0 if greedy else params.temperature,
+            "top_k": None if greedy else params.top_k,  # warpers never run when greedy; 0 would be warned about
+            "top_p": 1.0 if greedy else params.top_p,
+            "max_new_tokens": params.max_new_tokens,
+            "eos_token_id": stop_ids,
+            "pad_token_id": pad_token_id,
+            "use_cache": True,
+        }
+    )
+
+
+@contextlib.contextmanager
+def _checkpoint_defaults_off(model: nn.Module):
+    """Inside: the transformers model under ``model`` (itself, or the one a peft wrapper holds) has an
+    empty generation config, so ``generate`` fills nothing from the checkpoint's."""
+    from transformers import GenerationConfig, GenerationMixin
+
+    generator = next(m for m in model.modules() if isinstance(m, GenerationMixin))
+    saved = generator.generation_config
+    generator.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        generator.generation_config = saved
+
+
 class HFEngine:
     """Rollout engine on ``model.generate`` (CPU or GPU, any transformers causal LM, peft models too)."""
 
@@ -87,7 +172,7 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Rollout:
         """Sample ``n`` responses to each prompt (token-id lists); rows of one prompt are consecutive."""
-        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+        from transformers import LogitsProcessorList, StoppingCriteriaList
         from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
         params.validate()
@@ -98,19 +183,7 @@ class HFEngine:
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         P = prompt_ids.shape[1]
 
-        # A fresh config: sampling defaults saved with a checkpoint (top_k=20, repetition_penalty...)
-        # must not change the distribution behind the user's back.
-        greedy = params.temperature == 0
-        generation_config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else params.temperature,
-            top_k=params.top_k or None,
-            top_p=None if greedy else params.top_p,
-            max_new_tokens=params.max_new_tokens,
-            eos_token_id=stop_ids,
-            pad_token_id=self.tokenizer.pad_token_id,
-            use_cache=True,
-        )
+        generation_config = sampling_generation_config(params, stop_ids, self.tokenizer.pad_token_id)
         recorder = _SamplingLogprobs(params.logprob_temperature, P)
         processors = [recorder]
         if params.min_new_tokens > 0:
@@ -123,7 +196,7 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _checkpoint_defaults_off(self.model):
                 sequences = self.model.generate(
                     input_ids=prompt_ids,
                     attention_mask=prompt_mask,

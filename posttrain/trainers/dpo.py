@@ -2,10 +2,12 @@
 
     h = (log π(y_w|x) − log π_ref(y_w|x)) − (log π(y_l|x) − log π_ref(y_l|x)),   loss = mean over pairs of ℓ(h)
 
-log π(y|x) sums the log-probs of the completion tokens. The reference is a frozen copy of the starting
-policy, the same weights with the LoRA adapter off, a separate checkpoint (``reference_path``), or
-its log-probs are computed once in a pass before training (``reference=precompute``) and the
-reference model is freed. At step 0 the policy is its own reference, so the loss starts at log 2.
+log π(y|x) sums the log-probs of the completion tokens (the papers' sequence log-likelihood); for
+IPO, ``ipo_logps=mean`` averages them over the completion's tokens instead, as TRL does. The
+reference is a frozen copy of the starting policy, the same weights with the LoRA adapter off, a
+separate checkpoint (``reference_path``), or its log-probs are computed once in a pass before
+training (``reference=precompute``) and the reference model is freed. At step 0 the policy is its
+own reference, so the loss starts at log 2.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from functools import partial
 
 import torch
 
-from posttrain.core import DPO_KINDS, dpo_loss, masked_sum
+from posttrain.core import DPO_KINDS, dpo_loss, masked_mean, masked_sum
 from posttrain.data import DataConfig, PreferenceExample, SequenceBatch, collate_preferences, load_preferences
 from posttrain.models import (
     ModelConfig,
@@ -36,6 +38,7 @@ from posttrain.trainers.config import (
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
 
 REFERENCE_MODES = ("auto", "copy", "adapter", "precompute")
+IPO_LOGPS = ("sum", "mean")
 
 
 @dataclass
@@ -56,6 +59,10 @@ class DPOConfig:
     """sigmoid (DPO), ipo or hinge."""
     label_smoothing: float = 0.0
     """ε of conservative DPO: the share of labels assumed flipped (sigmoid only)."""
+    ipo_logps: str = "sum"
+    """IPO only: log π(y|x) as the sum of the completion's token log-probs (the IPO paper's sequence
+    log-likelihood) or their mean over its tokens (TRL's IPO). The target margin 1/(2β) is then per
+    sequence or per token, so β means something else in each."""
     reference: str = "auto"
     """auto (adapter-off for LoRA, else copy), copy, adapter, or precompute (one pass, then freed)."""
     reference_path: str | None = None
@@ -72,6 +79,9 @@ class DPOConfig:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.label_smoothing and self.loss_type != "sigmoid":
             raise ValueError("label_smoothing applies to loss_type=sigmoid only")
+        check_choice("ipo_logps", self.ipo_logps, IPO_LOGPS)
+        if self.ipo_logps != "sum" and self.loss_type != "ipo":
+            raise ValueError("ipo_logps applies to loss_type=ipo only (DPO and hinge use summed log-probs)")
         if self.reference == "adapter" and (self.model.lora is None or self.reference_path):
             raise ValueError("reference=adapter needs model.lora and no reference_path")
 
@@ -96,15 +106,17 @@ class DPOBatch:
         return self.sequences.num_tokens
 
 
-def completion_logps(model, sequences: SequenceBatch) -> torch.Tensor:
-    """log π(y|x) = Σ over completion tokens, [N]."""
+def completion_logps(model, sequences: SequenceBatch, average: bool = False) -> torch.Tensor:
+    """log π(y|x) = Σ over completion tokens, [N]; ``average``: that sum / the number of completion tokens."""
     logprobs = sequence_logprobs(model, sequences.input_ids, sequences.attention_mask)
-    return masked_sum(logprobs, sequences.completion_mask, dim=1)
+    reduce = masked_mean if average else masked_sum
+    return reduce(logprobs, sequences.completion_mask, dim=1)
 
 
 class DPOTask:
     def __init__(self, reference: Reference | None, pad_id: int, config: DPOConfig):
         self.reference, self.pad_id, self.config = reference, pad_id, config
+        self.average = config.ipo_logps == "mean"
 
     def collate(self, examples: list[DPOExample]) -> DPOBatch:
         sequences = collate_preferences([e.pair for e in examples], self.pad_id)
@@ -118,10 +130,10 @@ class DPOTask:
 
     def reference_logps(self, sequences: SequenceBatch) -> torch.Tensor:
         with self.reference.model_for_forward() as ref_model:
-            return completion_logps(ref_model, sequences)
+            return completion_logps(ref_model, sequences, self.average)
 
     def loss(self, model, batch: DPOBatch):
-        logps = completion_logps(model, batch.sequences)
+        logps = completion_logps(model, batch.sequences, self.average)
         ref_logps = batch.ref_logps if batch.ref_logps is not None else self.reference_logps(batch.sequences)
         chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = ref_logps.chunk(2)
@@ -196,7 +208,7 @@ def train(config: DPOConfig, callbacks=()) -> dict:
             task.reference = build_reference(config, policy, accelerator.device)
             forward = task.reference_logps
         else:  # the starting policy is the reference: no copy at all
-            forward = partial(completion_logps, policy)
+            forward = partial(completion_logps, policy, average=task.average)
         precompute_reference(
             forward,
             train_examples + eval_examples,

@@ -240,11 +240,15 @@ class PPOTrainer:
             acc.register_for_checkpointing(self.scheduler)
             self.engine = ROLLOUT_ENGINES[config.rollout_engine](acc.unwrap_model(self.model).policy, self.tokenizer)
         else:
+            # the critic is trained: model.gradient_checkpointing applies to it whichever weights it starts from
+            checkpointing = config.model.gradient_checkpointing
             critic = ValueModel(  # trained through its forward: DDP synchronises its gradients
                 load_critic(
                     config.critic,
                     replace(config.model, device="cpu", lora=None),
-                    None if config.reward_model is None else replace(config.reward_model, device="cpu"),
+                    None
+                    if config.reward_model is None
+                    else replace(config.reward_model, device="cpu", gradient_checkpointing=checkpointing),
                 )
             )
             optimizer, self.scheduler = build_optimizer(
