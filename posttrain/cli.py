@@ -95,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     module_name, class_name, _ = TRAINERS[args.command]
     module = importlib.import_module(module_name)
     from posttrain.trainers.config import load_config
+    from posttrain.trainers.inputs import check_inputs
 
     try:
         config = load_config(getattr(module, class_name), args.config, args.overrides)
+        check_inputs(config)
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"posttrain {args.command}: error: {err}\n")
     result = module.train(config)

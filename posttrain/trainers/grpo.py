@@ -52,6 +52,7 @@ from posttrain.trainers.config import (
     validate_sections,
     with_presets,
 )
+from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.loop import build_accelerator, build_optimizer, optimizer_step, save_final, start_run
 from posttrain.trainers.online import (
     PhaseTimer,
@@ -182,6 +183,11 @@ class GRPOConfig:
         check_choice("kl_in", self.kl_in, KL_PLACEMENTS)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
         check_choice("reference", self.reference, ("auto", "copy", "adapter"))
+        if self.sampling.temperature == 0:
+            raise ValueError(
+                "sampling.temperature=0 is greedy decoding: the num_generations responses to a prompt are "
+                "identical, every group advantage is 0 and nothing is learned; use a temperature > 0"
+            )
         if self.num_generations < 2:
             raise ValueError(f"num_generations must be >= 2 (a group needs two responses), got {self.num_generations}")
         if self.run.batch_size % self.num_generations:
@@ -243,6 +249,7 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig):
         config.validate()
+        check_inputs(config)
         self.config = config
         self.accelerator = build_accelerator(config.run)
         torch.manual_seed(config.run.seed)

@@ -62,6 +62,7 @@ from posttrain.trainers.config import (
     reject_ignored,
     validate_sections,
 )
+from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.loop import build_accelerator, build_optimizer, optimizer_step, save_final, start_run
 from posttrain.trainers.online import (
     PhaseTimer,
@@ -192,6 +193,7 @@ class PPOTrainer:
 
     def __init__(self, config: PPOConfig):
         config.validate()
+        check_inputs(config)
         self.config = config
         acc = self.accelerator = build_accelerator(config.run)
         torch.manual_seed(config.run.seed)

@@ -117,7 +117,5 @@ def test_cli_reports_yaml_errors_in_one_line_and_exits_2(tmp_path):
     )
     assert out.returncode == 2
     assert f"{path}:4: invalid YAML: " in out.stderr and "Traceback" not in out.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "posttrain.cli", "sft", "optim.lr=[1,"], capture_output=True, text=True
-    )
+    bad = subprocess.run([sys.executable, "-m", "posttrain.cli", "sft", "optim.lr=[1,"], capture_output=True, text=True)
     assert bad.returncode == 2 and "optim.lr=[1," in bad.stderr and "Traceback" not in bad.stderr
