@@ -16,7 +16,10 @@ reads exactly the batches an uninterrupted one would (PITFALLS #13).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +29,14 @@ from typing import Any, Protocol
 import torch
 import yaml
 
-from posttrain.trainers.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from posttrain.trainers.checkpoint import (
+    CONFIG_FILE,
+    check_finite_weights,
+    check_resumable,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
 from posttrain.trainers.config import OptimConfig, RunConfig, to_dict
 from posttrain.trainers.metrics import MetricsLogger
 
@@ -239,11 +249,15 @@ def run_offline(
 
 
 def save_final(accelerator, output_dir, models: dict, tokenizer) -> None:
-    """``<output_dir>/final/<role>``: ordinary Hugging Face checkpoints with the tokenizer."""
+    """``<output_dir>/final/<role>``: ordinary Hugging Face checkpoints with the tokenizer (never a
+    non-finite one: NonFiniteError instead)."""
+    state_dicts = {role: accelerator.get_state_dict(model) for role, model in models.items()}
+    check_finite_weights(accelerator, "final model", state_dicts)
     for role, model in models.items():
-        state_dict = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(Path(output_dir) / "final" / role, state_dict=state_dict)
+            accelerator.unwrap_model(model).save_pretrained(
+                Path(output_dir) / "final" / role, state_dict=state_dicts[role]
+            )
             tokenizer.save_pretrained(Path(output_dir) / "final" / role)
     accelerator.wait_for_everyone()
 
@@ -264,15 +278,29 @@ def optimizer_step(accelerator, model, optimizer, scheduler, max_norm: float | N
 
 
 def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dict | None, MetricsLogger]:
-    """Resume from ``run.resume_from`` when set, write the resolved config, open the metric sinks.
+    """Clear the run folder (``run.overwrite``) or resume from ``run.resume_from`` (only the run that
+    wrote the checkpoint, see ``checkpoint.check_resumable``; the run's metrics and samples cut back to
+    its step), write the resolved config, open the metric sinks.
 
     Returns (the checkpoint's trainer state or None, the logger, already advanced to the step resumed).
     """
     run = config.run
+    # every process has checked the run folder (inputs.check_run_dir) before the first write to it
+    accelerator.wait_for_everyone()
+    if run.overwrite and run.resume_from is None and accelerator.is_main_process:
+        clear_run_dir(run.output_dir)
     state = None
     resume = resolve_resume(run.output_dir, run.resume_from)
+    if run.resume_from == "latest" and resume is None:
+        accelerator.print(f"[{run_name}] resume_from=latest: no checkpoint in {run.output_dir}; starting at step 0")
     if resume is not None:
+        check_resumable(resume, yaml.safe_load(yaml.safe_dump(to_dict(config))), total_steps)
         state = load_checkpoint(accelerator, resume)
+        accelerator.print(f"[{run_name}] resuming from {resume} (step {state['step']} of {total_steps})")
+    if accelerator.is_main_process and run.resume_from is not None:
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            truncate_records(Path(run.output_dir) / name, 0 if state is None else state["step"])
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_resolved_config(run.output_dir, config)
     logger = MetricsLogger(
@@ -283,9 +311,39 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
         progress_total=total_steps,
         progress=run.progress,
         run_name=run_name,
+        purge_after=None if run.resume_from is None else (0 if state is None else state["step"]),
     )
     logger.advance(0 if state is None else state["step"])
     return state, logger
+
+
+def clear_run_dir(output_dir) -> None:
+    """Empty ``output_dir`` for ``run.overwrite``: only a folder a posttrain run wrote (it has config.yaml)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return
+    if not (out / CONFIG_FILE).is_file():
+        raise ValueError(f"run.overwrite: {out} has no {CONFIG_FILE}: not a posttrain run folder; not clearing it")
+    for path in out.iterdir():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def truncate_records(path: Path, step: int) -> None:
+    """Keep the records of the JSONL file ``path`` up to ``step`` (a resumed run writes the rest again);
+    a torn last line of a killed run goes too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _reduce(accelerator, sums: dict, count) -> tuple[dict[str, float], int]:
