@@ -53,7 +53,14 @@ from posttrain.trainers.config import (
     with_presets,
 )
 from posttrain.trainers.inputs import check_inputs
-from posttrain.trainers.loop import build_accelerator, build_optimizer, optimizer_step, save_final, start_run
+from posttrain.trainers.loop import (
+    NonFiniteGuard,
+    build_accelerator,
+    build_optimizer,
+    optimizer_step,
+    save_final,
+    start_run,
+)
 from posttrain.trainers.online import (
     PhaseTimer,
     PromptSampler,
@@ -285,6 +292,7 @@ class GRPOTrainer:
             self.reference.model.to(self.accelerator.device)
         self.engine = HFEngine(self.accelerator.unwrap_model(self.model), self.tokenizer)
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
+        self.guard = NonFiniteGuard(self.accelerator, config.run)
         self.passes = {"old_logprobs": 0, "reference": 0, "policy_train": 0}
 
     # -- 1-2. rollout and rewards ---------------------------------------------------------------
@@ -426,8 +434,17 @@ class GRPOTrainer:
                         valid = sub_mask[s].bool()
                         entropy_sum += float(torch.where(valid, entropy, 0.0).sum())
                         entropy_tokens += float(valid.sum())
-                grad_norm = optimizer_step(acc, self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
                 result = minibatch.result(acc)
+                grad_norm = optimizer_step(
+                    acc,
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    cfg.optim.max_grad_norm,
+                    self.guard,
+                    step + 1,
+                    result["loss"],
+                )
                 if first is None:
                     first = result
                 stats.add({k: v for k, v in result.items()}, 1.0)
@@ -500,6 +517,7 @@ class GRPOTrainer:
                     "reward/std": float(acc.gather(scores).std()) if len(scores) > 1 else 0.0,
                     "kl_coef": cfg.kl_coef,
                     "lr": self.scheduler.get_last_lr()[0],
+                    "train/nonfinite_skips": self.guard.skips,
                     "time/step": seconds,
                     "tokens_per_s": metrics["tokens_generated"] / seconds,
                     **{f"passes/{k}": v for k, v in self.passes.items()},

@@ -31,8 +31,10 @@ import yaml
 
 from posttrain.trainers.checkpoint import (
     CONFIG_FILE,
+    NonFiniteError,
     check_finite_weights,
     check_resumable,
+    list_checkpoints,
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
@@ -186,6 +188,7 @@ def run_offline(
 
     metrics: dict[str, float] = {}
     eval_metrics: dict[str, float] = {}
+    guard = NonFiniteGuard(accelerator, run, model=next(iter(trainable.saved)))
     model.train()
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
@@ -196,16 +199,20 @@ def run_offline(
         local = torch.tensor(float(sum(task.count(b) for b in batches)), device=device)
         global_count = accelerator.reduce(local, reduction="sum").clamp(min=1)
         sums: dict[str, torch.Tensor] = {}
-        tokens = 0
+        tokens, step_loss = 0, torch.zeros((), device=device)
         for k, batch in enumerate(batches):
             sync = contextlib.nullcontext() if k == len(batches) - 1 else accelerator.no_sync(model)
             with sync:
                 loss_sum, batch_sums = task.loss(model, batch.to(device))
                 accelerator.backward(loss_sum * world / global_count)
             tokens += batch.num_tokens
+            step_loss = step_loss + loss_sum.detach()
             for name, value in batch_sums.items():
                 sums[name] = sums.get(name, 0.0) + value.detach()
-        grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, config.optim.max_grad_norm)
+        step_loss = float(accelerator.reduce(step_loss, reduction="sum"))
+        grad_norm = optimizer_step(
+            accelerator, model, optimizer, scheduler, config.optim.max_grad_norm, guard, step + 1, step_loss
+        )
 
         done = step + 1
         totals = _reduce(accelerator, {**sums, "tokens": torch.tensor(float(tokens), device=device)}, local.item())
@@ -219,6 +226,7 @@ def run_offline(
                 "samples_per_s": run.batch_size / seconds,
                 "time/step": seconds,
                 "epoch": done / schedule.steps_per_epoch,
+                "train/nonfinite_skips": guard.skips,
             }
         )
         if eval_examples and run.eval_every and done % run.eval_every == 0 and done < total_steps:
@@ -262,19 +270,62 @@ def save_final(accelerator, output_dir, models: dict, tokenizer) -> None:
     accelerator.wait_for_everyone()
 
 
-def optimizer_step(accelerator, model, optimizer, scheduler, max_norm: float | None) -> float:
+def optimizer_step(
+    accelerator, model, optimizer, scheduler, max_norm: float | None, guard: NonFiniteGuard, step: int, loss: float
+) -> float:
     """Clip the gradient norm (when ``max_norm``), step the optimizer and the schedule, clear the
-    gradients. Returns the norm before clipping."""
+    gradients. Returns the norm before clipping.
+
+    ``loss``: the update's loss over all processes. When it or the gradient norm (the same on every
+    process: gradients are synchronised) is not finite, ``guard`` skips the update: parameters,
+    optimizer state and schedule stay as they were, as if the batch had not been there. Under fp16
+    loss scaling the scaler sees every step: it skips non-finite gradients itself (and lowers its
+    scale); the schedule then waits too, and only a non-finite loss is counted.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     if max_norm is None:
         norms = [p.grad.detach().norm() for p in params if p.grad is not None]
         norm = float(torch.stack(norms).norm()) if norms else 0.0
     else:
         norm = float(accelerator.clip_grad_norm_(params, max_norm))
-    optimizer.step()
-    scheduler.step()
+    scaled = accelerator.scaler is not None
+    if guard.allows(step, loss=loss, grad_norm=0.0 if scaled else norm) or scaled:
+        optimizer.step()
+        if not optimizer.step_was_skipped:
+            scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+class NonFiniteGuard:
+    """Counts the updates skipped for a non-finite loss or gradient norm; after ``run.max_nonfinite_steps``
+    in a row it stops the run (NonFiniteError) naming the step, the quantity and the last good checkpoint."""
+
+    def __init__(self, accelerator, run: RunConfig, model: str = "policy"):
+        self.accelerator, self.run, self.model = accelerator, run, model
+        self.skips = 0
+        self.in_a_row = 0
+
+    def allows(self, step: int, **values: float) -> bool:
+        bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+        if not bad:
+            self.in_a_row = 0
+            return True
+        self.skips += 1
+        self.in_a_row += 1
+        what = ", ".join(f"{k}={v}" for k, v in bad.items())
+        if self.in_a_row >= self.run.max_nonfinite_steps:
+            found = list_checkpoints(self.run.output_dir)
+            last = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was saved"
+            raise NonFiniteError(
+                f"step {step}: {self.model} {what}: {self.in_a_row} updates in a row skipped "
+                f"(run.max_nonfinite_steps={self.run.max_nonfinite_steps}); the run stops, nothing non-finite "
+                f"was saved; {last}"
+            )
+        self.accelerator.print(
+            f"[guard] step {step}: {self.model} {what}: update skipped ({self.in_a_row} in a row, {self.skips} in all)"
+        )
+        return False
 
 
 def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dict | None, MetricsLogger]:
