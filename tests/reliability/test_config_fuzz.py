@@ -36,6 +36,7 @@ scalars = st.one_of(
     st.booleans(),
     st.integers(min_value=-(10**6), max_value=10**6),
     st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -0.0]),
     st.sampled_from(["", "auto", "none", "null", "linear", "1e-5", "nan", "inf", "a:b", "[1,", "{x: 1}"]),
     st.text(max_size=8),
 )
@@ -85,11 +86,23 @@ def test_fuzzed_overrides_give_a_valid_config_or_an_error_naming_a_field(command
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(command=st.sampled_from(sorted(CLASSES)), document=st.dictionaries(st.text(max_size=8), values, max_size=4))
-def test_fuzzed_yaml_mappings_give_a_valid_config_or_an_error_naming_a_field(tmp_path, command, document):
+@given(
+    command=st.sampled_from(sorted(CLASSES)),
+    picks=st.lists(st.tuples(st.integers(min_value=0), values), min_size=1, max_size=2),
+    junk=st.just({}) | st.dictionaries(st.text(max_size=8), values, max_size=2),
+)
+def test_fuzzed_yaml_files_give_a_valid_config_or_an_error_naming_a_field(tmp_path, command, picks, junk):
     cls = CLASSES[command]
+    keys = [key for key, _, _ in describe(cls)]
+    document = {k: dict(v) if isinstance(v, dict) else v for k, v in REQUIRED[command].items()}
+    for i, value in picks:  # real keys at their nesting, fuzzed values
+        *sections, leaf = keys[i % len(keys)].split(".")
+        node = document
+        for section in sections:
+            node = node.setdefault(section, {}) if isinstance(node.get(section, {}), dict) else {}
+        node[leaf] = value
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({**REQUIRED[command], **document}))
+    path.write_text(yaml.safe_dump({**document, **junk}))
     _check_outcome(cls, lambda: load_config(cls, path))
 
 
@@ -108,3 +121,24 @@ def test_fuzzed_yaml_text_parses_or_names_file_and_line(tmp_path, text):
             assert message.startswith(f"{path}: a config file must be a YAML mapping") or any(
                 n in message for n in _names(CLASSES["sft"])
             ), message
+
+
+FLOAT_KEYS = sorted(
+    {(command, key) for command, cls in CLASSES.items() for key, default, _ in describe(cls) if "(float" in default}
+)
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(target=st.sampled_from(FLOAT_KEYS), value=st.floats(allow_nan=True, allow_infinity=True))
+def test_fuzzed_float_fields_accept_finite_values_or_name_the_field(target, value):
+    command, key = target
+    cls = CLASSES[command]
+    required = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in REQUIRED[command].items()]
+    try:
+        config = load_config(cls, None, required + [f"{key}={yaml.safe_dump(value).splitlines()[0]}"])
+    except ValueError as err:
+        assert str(err).startswith(key) or key.split(".")[-1] in str(err), str(err)
+        assert math.isfinite(value) or str(err) == f"{key} must be a finite number, got {value}"
+        return
+    assert math.isfinite(value)
+    _assert_all_finite(config)
