@@ -142,3 +142,35 @@ def test_a_non_finite_weight_is_never_written(tiny_dir, tmp_path):
     with pytest.raises(NonFiniteError, match="final model: weight policy.* is not finite"):
         save_final(accelerator, tmp_path / "run", {"policy": model}, None)
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_dpo_with_a_huge_learning_rate_exits_1_in_one_line_without_a_final_model(tiny_dir, tmp_path):
+    """The issue's run: ``posttrain dpo ... optim.lr=1e6`` ended with exit 0 and a NaN final model."""
+    import subprocess
+    import sys
+
+    data = _jsonl(tmp_path / "pairs.jsonl", vowel_pairs(64, seed=0))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "posttrain.cli",
+            "dpo",
+            f"model.path={tiny_dir / 'policy'}",
+            f"data.path={data}",
+            "data.chat_template=never",
+            f"run.output_dir={tmp_path / 'dpo'}",
+            "run.max_steps=10",
+            "run.batch_size=8",
+            "run.progress=false",
+            "run.report_to=[jsonl]",
+            "optim.lr=1e6",
+            "optim.max_grad_norm=null",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("posttrain dpo: stopped: step ") and "updates in a row skipped" in last, last
+    assert "Traceback" not in out.stderr and not (tmp_path / "dpo" / "final").exists()
