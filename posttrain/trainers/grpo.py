@@ -190,11 +190,6 @@ class GRPOConfig:
         check_choice("kl_in", self.kl_in, KL_PLACEMENTS)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
         check_choice("reference", self.reference, ("auto", "copy", "adapter"))
-        if self.sampling.temperature == 0:
-            raise ValueError(
-                "sampling.temperature=0 is greedy decoding: the num_generations responses to a prompt are "
-                "identical, every group advantage is 0 and nothing is learned; use a temperature > 0"
-            )
         if self.num_generations < 2:
             raise ValueError(f"num_generations must be >= 2 (a group needs two responses), got {self.num_generations}")
         if self.run.batch_size % self.num_generations:
@@ -264,6 +259,11 @@ class GRPOTrainer:
         self.prompts, report = load_prompts(config.data, self.tokenizer)
         self.accelerator.print(f"[grpo] prompts: {report.summary()}")
         self.accelerator.print(f"[grpo] {config.preset_report()}")
+        if config.sampling.temperature == 0:
+            self.accelerator.print(
+                "[grpo] warning: sampling.temperature=0 is greedy decoding: the num_generations responses to a "
+                "prompt are identical, every group advantage is 0 and the policy does not learn; use a temperature > 0"
+            )
         world = self.accelerator.num_processes
         if config.prompts_per_step % world:
             raise ValueError(f"prompts per step ({config.prompts_per_step}) must split evenly over {world} processes")
