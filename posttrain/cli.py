@@ -95,12 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     module_name, class_name, _ = TRAINERS[args.command]
     module = importlib.import_module(module_name)
     from posttrain.trainers.config import load_config
+    from posttrain.trainers.inputs import check_inputs
 
     try:
         config = load_config(getattr(module, class_name), args.config, args.overrides)
+        check_inputs(config)
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"posttrain {args.command}: error: {err}\n")
-    result = module.train(config)
+    from posttrain.trainers.checkpoint import NonFiniteError
+
+    try:
+        result = module.train(config)
+    except NonFiniteError as err:  # the run stopped itself, saying why: no traceback
+        parser.exit(1, f"posttrain {args.command}: stopped: {err}\n")
     if int(os.environ.get("RANK", "0")) != 0:  # one summary per run, from the main process
         return 0
     summary = {

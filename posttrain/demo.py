@@ -63,7 +63,7 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
     start = time.perf_counter()
     scale = 0.2 if quick else 1.0
     steps = {k: max(2, int(v * scale)) for k, v in {"sft": 300, "grpo": 60, "dpo": 60, "rm": 60, "ppo": 30}.items()}
-    common = ["run.progress=false", "data.chat_template=never", f"run.seed={seed}"]
+    common = ["run.progress=false", "data.chat_template=never", f"run.seed={seed}", "run.overwrite=true"]
     results: dict = {"steps": steps}
 
     print("1. building a tiny Llama and a character tokenizer (offline)")

@@ -4,8 +4,15 @@ Layout of ``<output_dir>/checkpoints/step-000120/``:
 
     hf/<role>/           save_pretrained of each trained model (and the tokenizer): loads without posttrain
     state/               accelerate ``save_state``: model, optimizer, scheduler, RNG states (every process)
-    trainer_state.json   step, epoch and the trainer's own state (e.g. the adaptive KL controller); written
-                         last, so a folder without it is a partial checkpoint and is refused
+    config.yaml          the resolved config of the run that wrote it
+    trainer_state.json   step, epoch, the config's hash and the trainer's own state (e.g. the adaptive KL
+                         controller); written last, so a folder without it is a partial checkpoint and is refused
+
+A checkpoint resumes only the run that wrote it: the config may differ in the fields of
+``RESUMABLE_CHANGES`` alone (how long to train, how often to save and log, where to write), and the
+checkpoint's step must be below the run's total. A changed ``run.max_steps`` (or ``run.epochs``)
+recomputes the learning-rate schedule for the new length. Nothing non-finite is ever written: a
+model with a NaN or inf weight raises ``NonFiniteError`` instead of being saved.
 
 A checkpoint is written under ``.tmp-step-000120``, flushed to disk, then renamed: a process killed
 while saving leaves the previous checkpoint as the latest one (PITFALLS #14).
@@ -13,18 +20,98 @@ while saving leaves the previous checkpoint as the latest one (PITFALLS #14).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 from pathlib import Path
 
+import torch
+import yaml
+
 STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+RESUMABLE_CHANGES = frozenset(
+    {
+        "run.max_steps",
+        "run.epochs",
+        "run.save_every",
+        "run.keep_last",
+        "run.log_every",
+        "run.eval_every",
+        "run.resume_from",
+        "run.overwrite",
+        "run.output_dir",
+        "run.progress",
+        "run.report_to",
+        "run.max_nonfinite_steps",
+        "log_completions",
+    }
+)
 
 
 class IncompleteCheckpointError(RuntimeError):
     pass
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss, gradient norm or weight: the run stops rather than train on it or save it."""
+
+
+def flat_config(config: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a nested config dict."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_hash(config: dict) -> str:
+    """sha256 of the config without the fields a resume may change."""
+    kept = {k: v for k, v in flat_config(config).items() if k not in RESUMABLE_CHANGES}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_resumable(path: Path, config: dict, total_steps: int) -> None:
+    """Refuse to resume ``path`` with a config that differs outside RESUMABLE_CHANGES (naming the
+    fields), or when its step is at or past the run's ``total_steps``. ``config``: the resolved config
+    as written to config.yaml."""
+    state = json.loads((path / STATE_FILE).read_text())
+    if state["step"] >= total_steps:
+        raise ValueError(
+            f"run.resume_from: {path} is at step {state['step']}, at or past this run's {total_steps} steps; "
+            "raise run.max_steps to train further"
+        )
+    if state.get("config_hash", config_hash(config)) == config_hash(config):  # checkpoints before the hash: no check
+        return
+    saved = flat_config(yaml.safe_load((path / CONFIG_FILE).read_text()))
+    now = flat_config(config)
+    keys = (saved.keys() | now.keys()) - RESUMABLE_CHANGES
+    differing = sorted(k for k in keys if saved.get(k) != now.get(k))
+    changes = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in differing)
+    raise ValueError(
+        f"run.resume_from: {path} was written with a different config ({changes}). A resume may change only "
+        f"{', '.join(sorted(RESUMABLE_CHANGES))}; start a new run (another run.output_dir) to change the rest"
+    )
+
+
+def check_finite_weights(accelerator, what: str, state_dicts: dict) -> None:
+    """Raise NonFiniteError on every process when a tensor of ``state_dicts`` ({role: state dict}, as
+    ``get_state_dict`` gives them: possibly only on the main process) holds a NaN or inf. Collective."""
+    bad = [
+        f"{role}.{key}"
+        for role, state_dict in state_dicts.items()
+        for key, tensor in state_dict.items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
+    flag = accelerator.reduce(torch.tensor(float(len(bad)), device=accelerator.device), reduction="sum")
+    if float(flag) > 0:
+        raise NonFiniteError(f"{what}: weight {bad[0] if bad else '(on another process)'} is not finite; not written")
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -74,18 +161,22 @@ def save_checkpoint(accelerator, output_dir, step: int, models: dict, tokenizer,
     root = checkpoints_dir(output_dir)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
+    state_dicts = {role: accelerator.get_state_dict(model) for role, model in models.items()}
+    check_finite_weights(accelerator, f"checkpoint step {step}", state_dicts)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / "state"))
     for role, model in models.items():
-        state_dict = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(tmp / "hf" / role, state_dict=state_dict)
+            accelerator.unwrap_model(model).save_pretrained(tmp / "hf" / role, state_dict=state_dicts[role])
             tokenizer.save_pretrained(tmp / "hf" / role)
     if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+        config = yaml.safe_load((Path(output_dir) / CONFIG_FILE).read_text())
+        shutil.copyfile(Path(output_dir) / CONFIG_FILE, tmp / CONFIG_FILE)
+        state = {"step": step, "config_hash": config_hash(config), **trainer_state}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import re
 import textwrap
 import types
@@ -84,6 +85,10 @@ class RunConfig:
     """Periodic checkpoints to keep (the oldest are deleted)."""
     resume_from: str | None = None
     """``latest`` (the newest complete checkpoint in output_dir) or a checkpoint folder; null = fresh."""
+    overwrite: bool = False
+    """Clear a non-empty output_dir before a fresh run (without it such a run is refused)."""
+    max_nonfinite_steps: int = 3
+    """Stop the run after this many optimizer updates in a row skipped for a non-finite loss or gradient norm."""
     report_to: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     """Metric sinks: jsonl, tensorboard, wandb, mlflow (the last two when installed)."""
     progress: bool = True
@@ -92,7 +97,7 @@ class RunConfig:
     """accelerate mixed precision: no, bf16 or fp16."""
 
     def validate(self, name: str = "run") -> None:
-        for key in ("batch_size", "micro_batch_size", "log_every", "keep_last"):
+        for key in ("batch_size", "micro_batch_size", "log_every", "keep_last", "max_nonfinite_steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{name}.{key} must be >= 1, got {getattr(self, key)}")
         for key in ("max_steps", "eval_every", "save_every"):
@@ -108,7 +113,9 @@ class RunConfig:
 
 def validate_sections(config) -> None:
     """``validate(name)`` every section of a trainer config (model, data, optim, run, sampling, ...):
-    each field whose value is a dataclass with its own ``validate``, null sections skipped."""
+    each field whose value is a dataclass with its own ``validate``, null sections skipped. Every
+    float field, at any depth, must be finite first (NaN passes every range check)."""
+    check_finite(config)
     for f in dataclasses.fields(config):
         section = getattr(config, f.name)
         if dataclasses.is_dataclass(section) and hasattr(section, "validate"):
@@ -132,6 +139,20 @@ def reject_ignored(config, ignored: dict[str, str]) -> None:
         (default,) = [f.default for f in dataclasses.fields(section) if f.name == name]
         if getattr(section, name) != default:
             raise ValueError(f"{dotted}={getattr(section, name)!r} is not used by this trainer: {instead}")
+
+
+def check_finite(config, where: str = "") -> None:
+    """Raise naming the first float field of ``config`` (nested dataclasses and lists of them) that is
+    NaN or ±inf."""
+    for f in dataclasses.fields(config):
+        key = f"{where}{f.name}"
+        values = getattr(config, f.name)
+        for i, value in enumerate(values if isinstance(values, list) else [values]):
+            name = f"{key}[{i}]" if isinstance(values, list) else key
+            if dataclasses.is_dataclass(value):
+                check_finite(value, f"{name}.")
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
 
 
 def check_choice(name: str, value, allowed) -> None:
@@ -163,8 +184,12 @@ def parse_yaml(text: str):
     return yaml.load(text, Loader=_YAMLLoader)
 
 
-def _convert(value: Any, annotation, where: str):
-    """``value`` as the type ``annotation`` names (dataclasses recursively, Optionals, lists, scalars)."""
+def _convert(value: Any, annotation, where: str, default: Any = None):
+    """``value`` as the type ``annotation`` names (dataclasses recursively, Optionals, lists, scalars).
+
+    ``default`` is the field's own default: a dataclass section is that default with the given keys
+    replaced, so a trainer's section defaults (GRPO's ``OptimConfig(lr=1e-6, scheduler="constant")``)
+    hold when a file or ``key=value`` sets one of its keys."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -175,7 +200,7 @@ def _convert(value: Any, annotation, where: str):
         errors = []
         for option in options:
             try:
-                return _convert(value, option, where)
+                return _convert(value, option, where, default)
             except (TypeError, ValueError) as err:
                 errors.append(str(err))
         raise ValueError(errors[0])
@@ -184,17 +209,17 @@ def _convert(value: Any, annotation, where: str):
             return value
         if not isinstance(value, dict):
             raise ValueError(f"{where} must be a mapping of {annotation.__name__} fields")
-        return from_dict(annotation, value, where)
+        return from_dict(annotation, value, where, default if isinstance(default, annotation) else None)
     if origin is list:
         (item,) = typing.get_args(annotation)
         if isinstance(value, str):
-            value = parse_yaml(value) if value.startswith("[") else [v for v in value.split(",") if v]
+            value = _parse_value(value, where) if value.startswith("[") else [v for v in value.split(",") if v]
         if not isinstance(value, list | tuple):
             raise ValueError(f"{where} must be a list")
         return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict or annotation is dict:
         if isinstance(value, str):
-            value = parse_yaml(value)
+            value = _parse_value(value, where)
         if not isinstance(value, dict):
             raise ValueError(f"{where} must be a mapping")
         return dict(value)
@@ -224,16 +249,38 @@ def _convert(value: Any, annotation, where: str):
     raise TypeError(f"{where}: unsupported config type {annotation!r}")
 
 
-def from_dict(cls, data: dict, where: str = ""):
-    """Build dataclass ``cls`` from a nested dict; unknown keys are errors."""
+def _parse_value(text: str, where: str):
+    try:
+        return parse_yaml(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{where}: invalid YAML value {text!r}: {err}") from None
+
+
+def from_dict(cls, data: dict, where: str = "", base=None):
+    """Build dataclass ``cls`` from a nested dict: ``base`` (default: ``cls``'s own defaults) with the
+    keys of ``data`` replaced. Unknown keys are errors."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
     if unknown:
         prefix = f"{where}." if where else ""
-        raise ValueError(f"unknown config key {prefix}{unknown[0]!r}; allowed here: {', '.join(names)}")
-    kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
-    return cls(**kwargs)
+        raise ValueError(f"unknown config key {prefix}{unknown[0]!r}; allowed here: {', '.join(fields)}")
+    kwargs = {
+        k: _convert(
+            v,
+            hints[k],
+            f"{where}.{k}" if where else k,
+            getattr(base, k) if base is not None else _field_default(fields[k]),
+        )
+        for k, v in data.items()
+    }
+    return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
+
+
+def _field_default(f: dataclasses.Field):
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def to_dict(config) -> dict:
@@ -255,7 +302,10 @@ def apply_override(data: dict, cls, assignment: str) -> None:
                 f"unknown config key {key!r}: {prefix + '.' if prefix else ''}{part} is not one of {', '.join(names)}"
             )
         if depth == len(parts) - 1:
-            node[part] = parse_yaml(raw) if raw.strip() else ""
+            try:
+                node[part] = parse_yaml(raw) if raw.strip() else ""
+            except yaml.YAMLError as err:
+                raise ValueError(f"override {assignment!r}: invalid YAML value: {err}") from None
             return
         annotation = typing.get_type_hints(node_cls)[part]
         options = [a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)] or [annotation]
@@ -269,7 +319,10 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] = ()):
     """``cls`` from a YAML file (optional) and ``key=value`` overrides, validated."""
     data: dict = {}
     if path is not None:
-        loaded = parse_yaml(Path(path).read_text()) or {}
+        try:
+            loaded = parse_yaml(Path(path).read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(_yaml_error(path, err)) from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: a config file must be a YAML mapping")
         data = loaded
@@ -278,6 +331,15 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] = ()):
     config = from_dict(cls, data)
     config.validate()
     return config
+
+
+def _yaml_error(path, err: yaml.YAMLError) -> str:
+    """``FILE:LINE: invalid YAML: problem`` (the line where the parser found the problem, 1-based)."""
+    if not isinstance(err, yaml.MarkedYAMLError):  # e.g. bytes that are not text
+        return f"{path}: invalid YAML: {err}"
+    mark = err.problem_mark or err.context_mark
+    where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+    return f"{where}: invalid YAML: {err.problem or err}" + (f" ({err.context})" if err.context else "")
 
 
 def with_presets(cls):

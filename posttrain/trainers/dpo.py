@@ -35,6 +35,7 @@ from posttrain.trainers.config import (
     reject_ignored,
     validate_sections,
 )
+from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
 
 REFERENCE_MODES = ("auto", "copy", "adapter", "precompute")
@@ -194,6 +195,7 @@ def precompute_reference(forward, examples: list[DPOExample], pad_id: int, micro
 def train(config: DPOConfig, callbacks=()) -> dict:
     """Train the policy with DPO; writes ``<run.output_dir>/final/policy``."""
     config.validate()
+    check_inputs(config)
     accelerator = build_accelerator(config.run)
     torch.manual_seed(config.run.seed)
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)

@@ -52,7 +52,15 @@ from posttrain.trainers.config import (
     validate_sections,
     with_presets,
 )
-from posttrain.trainers.loop import build_accelerator, build_optimizer, optimizer_step, save_final, start_run
+from posttrain.trainers.inputs import check_inputs
+from posttrain.trainers.loop import (
+    NonFiniteGuard,
+    build_accelerator,
+    build_optimizer,
+    optimizer_step,
+    save_final,
+    start_run,
+)
 from posttrain.trainers.online import (
     PhaseTimer,
     PromptSampler,
@@ -247,6 +255,7 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig):
         config.validate()
+        check_inputs(config)
         self.config = config
         self.accelerator = build_accelerator(config.run)
         torch.manual_seed(config.run.seed)
@@ -254,6 +263,11 @@ class GRPOTrainer:
         self.prompts, report = load_prompts(config.data, self.tokenizer)
         self.accelerator.print(f"[grpo] prompts: {report.summary()}")
         self.accelerator.print(f"[grpo] {config.preset_report()}")
+        if config.sampling.temperature == 0:
+            self.accelerator.print(
+                "[grpo] warning: sampling.temperature=0 is greedy decoding: the num_generations responses to a "
+                "prompt are identical, every group advantage is 0 and the policy does not learn; use a temperature > 0"
+            )
         world = self.accelerator.num_processes
         if config.prompts_per_step % world:
             raise ValueError(f"prompts per step ({config.prompts_per_step}) must split evenly over {world} processes")
@@ -282,6 +296,7 @@ class GRPOTrainer:
             self.reference.model.to(self.accelerator.device)
         self.engine = ROLLOUT_ENGINES[config.rollout_engine](self.accelerator.unwrap_model(self.model), self.tokenizer)
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
+        self.guard = NonFiniteGuard(self.accelerator, config.run)
         self.passes = {"old_logprobs": 0, "reference": 0, "policy_train": 0}
 
     # -- 1-2. rollout and rewards ---------------------------------------------------------------
@@ -423,8 +438,17 @@ class GRPOTrainer:
                         valid = sub_mask[s].bool()
                         entropy_sum += float(torch.where(valid, entropy, 0.0).sum())
                         entropy_tokens += float(valid.sum())
-                grad_norm = optimizer_step(acc, self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
                 result = minibatch.result(acc)
+                grad_norm = optimizer_step(
+                    acc,
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    cfg.optim.max_grad_norm,
+                    self.guard,
+                    step + 1,
+                    result["loss"],
+                )
                 if first is None:
                     first = result
                 stats.add({k: v for k, v in result.items()}, 1.0)
@@ -497,6 +521,7 @@ class GRPOTrainer:
                     "reward/std": float(acc.gather(scores).std()) if len(scores) > 1 else 0.0,
                     "kl_coef": cfg.kl_coef,
                     "lr": self.scheduler.get_last_lr()[0],
+                    "train/nonfinite_skips": self.guard.skips,
                     "tokens_per_s": metrics["tokens_generated"] / seconds,
                     **{f"passes/{k}": v for k, v in self.passes.items()},
                 }

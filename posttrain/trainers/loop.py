@@ -16,7 +16,10 @@ reads exactly the batches an uninterrupted one would (PITFALLS #13).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +29,16 @@ from typing import Any, Protocol
 import torch
 import yaml
 
-from posttrain.trainers.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from posttrain.trainers.checkpoint import (
+    CONFIG_FILE,
+    NonFiniteError,
+    check_finite_weights,
+    check_resumable,
+    list_checkpoints,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
 from posttrain.trainers.config import OptimConfig, RunConfig, to_dict
 from posttrain.trainers.metrics import MetricsLogger
 
@@ -183,6 +195,7 @@ def run_offline(
 
     metrics: dict[str, float] = {}
     eval_metrics: dict[str, float] = {}
+    guard = NonFiniteGuard(accelerator, run, model=next(iter(trainable.saved)))
     model.train()
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
@@ -193,16 +206,20 @@ def run_offline(
         local = torch.tensor(float(sum(task.count(b) for b in batches)), device=device)
         global_count = accelerator.reduce(local, reduction="sum").clamp(min=1)
         sums: dict[str, torch.Tensor] = {}
-        tokens = 0
+        tokens, step_loss = 0, torch.zeros((), device=device)
         for k, batch in enumerate(batches):
             sync = contextlib.nullcontext() if k == len(batches) - 1 else accelerator.no_sync(model)
             with sync:
                 loss_sum, batch_sums = task.loss(model, batch.to(device))
                 accelerator.backward(loss_sum * world / global_count)
             tokens += batch.num_tokens
+            step_loss = step_loss + loss_sum.detach()
             for name, value in batch_sums.items():
                 sums[name] = sums.get(name, 0.0) + value.detach()
-        grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, config.optim.max_grad_norm)
+        step_loss = float(accelerator.reduce(step_loss, reduction="sum"))
+        grad_norm = optimizer_step(
+            accelerator, model, optimizer, scheduler, config.optim.max_grad_norm, guard, step + 1, step_loss
+        )
 
         done = step + 1
         totals = _reduce(accelerator, {**sums, "tokens": torch.tensor(float(tokens), device=device)}, local.item())
@@ -216,6 +233,7 @@ def run_offline(
                 "samples_per_s": run.batch_size / seconds,
                 "time/step": seconds,
                 "epoch": done / schedule.steps_per_epoch,
+                "train/nonfinite_skips": guard.skips,
             }
         )
         if eval_examples and run.eval_every and done % run.eval_every == 0 and done < total_steps:
@@ -246,40 +264,101 @@ def run_offline(
 
 
 def save_final(accelerator, output_dir, models: dict, tokenizer) -> None:
-    """``<output_dir>/final/<role>``: ordinary Hugging Face checkpoints with the tokenizer."""
+    """``<output_dir>/final/<role>``: ordinary Hugging Face checkpoints with the tokenizer (never a
+    non-finite one: NonFiniteError instead)."""
+    state_dicts = {role: accelerator.get_state_dict(model) for role, model in models.items()}
+    check_finite_weights(accelerator, "final model", state_dicts)
     for role, model in models.items():
-        state_dict = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(Path(output_dir) / "final" / role, state_dict=state_dict)
+            accelerator.unwrap_model(model).save_pretrained(
+                Path(output_dir) / "final" / role, state_dict=state_dicts[role]
+            )
             tokenizer.save_pretrained(Path(output_dir) / "final" / role)
     accelerator.wait_for_everyone()
 
 
-def optimizer_step(accelerator, model, optimizer, scheduler, max_norm: float | None) -> float:
+def optimizer_step(
+    accelerator, model, optimizer, scheduler, max_norm: float | None, guard: NonFiniteGuard, step: int, loss: float
+) -> float:
     """Clip the gradient norm (when ``max_norm``), step the optimizer and the schedule, clear the
-    gradients. Returns the norm before clipping."""
+    gradients. Returns the norm before clipping.
+
+    ``loss``: the update's loss over all processes. When it or the gradient norm (the same on every
+    process: gradients are synchronised) is not finite, ``guard`` skips the update: parameters,
+    optimizer state and schedule stay as they were, as if the batch had not been there. Under fp16
+    loss scaling the scaler sees every step: it skips non-finite gradients itself (and lowers its
+    scale); the schedule then waits too, and only a non-finite loss is counted.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     if max_norm is None:
         norms = [p.grad.detach().norm() for p in params if p.grad is not None]
         norm = float(torch.stack(norms).norm()) if norms else 0.0
     else:
         norm = float(accelerator.clip_grad_norm_(params, max_norm))
-    optimizer.step()
-    scheduler.step()
+    scaled = accelerator.scaler is not None
+    if guard.allows(step, loss=loss, grad_norm=0.0 if scaled else norm) or scaled:
+        optimizer.step()
+        if not optimizer.step_was_skipped:
+            scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
 
 
+class NonFiniteGuard:
+    """Counts the updates skipped for a non-finite loss or gradient norm; after ``run.max_nonfinite_steps``
+    in a row it stops the run (NonFiniteError) naming the step, the quantity and the last good checkpoint."""
+
+    def __init__(self, accelerator, run: RunConfig, model: str = "policy"):
+        self.accelerator, self.run, self.model = accelerator, run, model
+        self.skips = 0
+        self.in_a_row = 0
+
+    def allows(self, step: int, **values: float) -> bool:
+        bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+        if not bad:
+            self.in_a_row = 0
+            return True
+        self.skips += 1
+        self.in_a_row += 1
+        what = ", ".join(f"{k}={v}" for k, v in bad.items())
+        if self.in_a_row >= self.run.max_nonfinite_steps:
+            found = list_checkpoints(self.run.output_dir)
+            last = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was saved"
+            raise NonFiniteError(
+                f"step {step}: {self.model} {what}: {self.in_a_row} updates in a row skipped "
+                f"(run.max_nonfinite_steps={self.run.max_nonfinite_steps}); the run stops, nothing non-finite "
+                f"was saved; {last}"
+            )
+        self.accelerator.print(
+            f"[guard] step {step}: {self.model} {what}: update skipped ({self.in_a_row} in a row, {self.skips} in all)"
+        )
+        return False
+
+
 def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dict | None, MetricsLogger]:
-    """Resume from ``run.resume_from`` when set, write the resolved config, open the metric sinks.
+    """Clear the run folder (``run.overwrite``) or resume from ``run.resume_from`` (only the run that
+    wrote the checkpoint, see ``checkpoint.check_resumable``; the run's metrics and samples cut back to
+    its step), write the resolved config, open the metric sinks.
 
     Returns (the checkpoint's trainer state or None, the logger, already advanced to the step resumed).
     """
     run = config.run
+    # every process has checked the run folder (inputs.check_run_dir) before the first write to it
+    accelerator.wait_for_everyone()
+    if run.overwrite and run.resume_from is None and accelerator.is_main_process:
+        clear_run_dir(run.output_dir)
     state = None
     resume = resolve_resume(run.output_dir, run.resume_from)
+    if run.resume_from == "latest" and resume is None:
+        accelerator.print(f"[{run_name}] resume_from=latest: no checkpoint in {run.output_dir}; starting at step 0")
     if resume is not None:
+        check_resumable(resume, yaml.safe_load(yaml.safe_dump(to_dict(config))), total_steps)
         state = load_checkpoint(accelerator, resume)
+        accelerator.print(f"[{run_name}] resuming from {resume} (step {state['step']} of {total_steps})")
+    if accelerator.is_main_process and run.resume_from is not None:
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            truncate_records(Path(run.output_dir) / name, 0 if state is None else state["step"])
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_resolved_config(run.output_dir, config)
     logger = MetricsLogger(
@@ -290,9 +369,39 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
         progress_total=total_steps,
         progress=run.progress,
         run_name=run_name,
+        purge_after=None if run.resume_from is None else (0 if state is None else state["step"]),
     )
     logger.advance(0 if state is None else state["step"])
     return state, logger
+
+
+def clear_run_dir(output_dir) -> None:
+    """Empty ``output_dir`` for ``run.overwrite``: only a folder a posttrain run wrote (it has config.yaml)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return
+    if not (out / CONFIG_FILE).is_file():
+        raise ValueError(f"run.overwrite: {out} has no {CONFIG_FILE}: not a posttrain run folder; not clearing it")
+    for path in out.iterdir():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def truncate_records(path: Path, step: int) -> None:
+    """Keep the records of the JSONL file ``path`` up to ``step`` (a resumed run writes the rest again);
+    a torn last line of a killed run goes too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _reduce(accelerator, sums: dict, count) -> tuple[dict[str, float], int]:

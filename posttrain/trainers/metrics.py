@@ -21,6 +21,7 @@ class MetricsLogger:
         progress_total: int | None = None,
         progress: bool = True,
         run_name: str | None = None,
+        purge_after: int | None = None,
     ):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
@@ -36,7 +37,9 @@ class MetricsLogger:
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+            # a resumed run writes the steps after its checkpoint again: TensorBoard hides the old ones
+            purge_step = None if purge_after is None else purge_after + 1
+            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"), purge_step=purge_step)
         if "wandb" in report_to:
             try:
                 import wandb

@@ -143,16 +143,18 @@ def gather_whiten(accelerator, values: torch.Tensor, mask: torch.Tensor, shift_m
     """``core.masked_whiten`` with μ and σ over every process's rows, returned for this process's rows.
 
     values, mask: [B, T] (or [B] with a mask of ones). Rows of other processes are padded to one T.
+    In float64: the variance of float32 rewards of 1e20 or more overflows float32 (issue 10, item 1).
     """
+    dtype, values = values.dtype, values.double()
     if accelerator.num_processes == 1:
-        return masked_whiten(values, mask, shift_mean)
+        return masked_whiten(values, mask, shift_mean).to(dtype)
     local_rows = values.shape[0]
     padded_values = accelerator.pad_across_processes(values, dim=-1)
     padded_mask = accelerator.pad_across_processes(mask, dim=-1)
     all_values, all_mask = accelerator.gather(padded_values), accelerator.gather(padded_mask)
     whitened = masked_whiten(all_values, all_mask, shift_mean)
     start = accelerator.process_index * local_rows  # every process holds the same number of rows
-    return whitened[start : start + local_rows, : values.shape[-1]]
+    return whitened[start : start + local_rows, : values.shape[-1]].to(dtype)
 
 
 def global_sum(accelerator, value) -> float:

@@ -62,7 +62,15 @@ from posttrain.trainers.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.trainers.loop import build_accelerator, build_optimizer, optimizer_step, save_final, start_run
+from posttrain.trainers.inputs import check_inputs
+from posttrain.trainers.loop import (
+    NonFiniteGuard,
+    build_accelerator,
+    build_optimizer,
+    optimizer_step,
+    save_final,
+    start_run,
+)
 from posttrain.trainers.online import (
     PhaseTimer,
     PromptSampler,
@@ -196,6 +204,7 @@ class PPOTrainer:
 
     def __init__(self, config: PPOConfig):
         config.validate()
+        check_inputs(config)
         self.config = config
         acc = self.accelerator = build_accelerator(config.run)
         torch.manual_seed(config.run.seed)
@@ -263,6 +272,8 @@ class PPOTrainer:
             acc.register_for_checkpointing(self.critic_scheduler)
             self.engine = ROLLOUT_ENGINES[config.rollout_engine](acc.unwrap_model(self.model), self.tokenizer)
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
+        self.guard = NonFiniteGuard(acc, config.run)
+        self.critic_guard = NonFiniteGuard(acc, config.run, model="critic")
 
     # -- forward passes -----------------------------------------------------------------------------
 
@@ -335,12 +346,12 @@ class PPOTrainer:
                 sub = rollout.select(rows)
                 batch = (mask[rows], advantages[rows], returns[rows], old_logprobs[rows], old_values[rows])
                 minibatch = StatsAccumulator()
-                grad_norm = self._policy_minibatch(sub, *batch, minibatch)
+                grad_norm = self._policy_minibatch(step, sub, *batch, minibatch)
                 stats.add({"grad_norm": torch.tensor(grad_norm)}, 1.0)
                 if not self.shared:
                     # after the policy's step: under fp16 each optimizer's gradients are scaled, unscaled and
                     # stepped within one cycle of accelerate's shared GradScaler (scale updated per step)
-                    critic_norm = self._critic_minibatch(sub, *batch, minibatch)
+                    critic_norm = self._critic_minibatch(step, sub, *batch, minibatch)
                     stats.add({"critic_grad_norm": torch.tensor(critic_norm)}, 1.0)
                 result = minibatch.result(acc)
                 if first is None:
@@ -357,7 +368,7 @@ class PPOTrainer:
         out["policy/first_minibatch_clipfrac"] = first["clipfrac"]
         return out
 
-    def _policy_minibatch(self, sub, mask, advantages, returns, old_logprobs, old_values, stats) -> float:
+    def _policy_minibatch(self, step, sub, mask, advantages, returns, old_logprobs, old_values, stats) -> float:
         """Clipped surrogate − entropy bonus (+ value loss with a shared critic), each reduced by
         ``loss_agg`` with the constant ``max_new_tokens`` of seq-mean-token-sum-norm, accumulated over
         micro-batches in the minibatch's global units; one optimizer step. Returns the gradient norm."""
@@ -365,6 +376,7 @@ class PPOTrainer:
         agg, norm_length = cfg.loss_agg, cfg.sampling.max_new_tokens
         units = global_sum(acc, aggregation_units(mask, agg))
         slices = micro_slices(len(sub), cfg.run.micro_batch_size)
+        total = 0.0  # the minibatch's loss, for the non-finite guard
         for k, s in enumerate(slices):
             weight = float(aggregation_units(mask[s], agg)) * acc.num_processes / max(units, 1.0)
             with contextlib.nullcontext() if k == len(slices) - 1 else acc.no_sync(self.model):
@@ -387,14 +399,25 @@ class PPOTrainer:
                     loss = loss + cfg.vf_coef * vf_loss
                     stats.add(self._value_stats(values, vf_loss, old_values[s], mask[s]), weight)
                 acc.backward(loss * weight)
+            total = total + (loss * weight).detach()
             stats.add({**pg_stats, "entropy": masked_mean(entropy, mask[s]).detach()}, weight)
-        return optimizer_step(acc, self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
+        return optimizer_step(
+            acc,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            cfg.optim.max_grad_norm,
+            self.guard,
+            step + 1,
+            global_sum(acc, total) / acc.num_processes,
+        )
 
-    def _critic_minibatch(self, sub, mask, advantages, returns, old_logprobs, old_values, stats) -> float:
+    def _critic_minibatch(self, step, sub, mask, advantages, returns, old_logprobs, old_values, stats) -> float:
         """Clipped value loss of the separate critic, as ``_policy_minibatch``; one optimizer step."""
         cfg, acc = self.config, self.accelerator
         units = global_sum(acc, aggregation_units(mask, cfg.loss_agg))
         slices = micro_slices(len(sub), cfg.run.micro_batch_size)
+        total = 0.0  # the minibatch's loss, for the non-finite guard
         for k, s in enumerate(slices):
             weight = float(aggregation_units(mask[s], cfg.loss_agg)) * acc.num_processes / max(units, 1.0)
             with contextlib.nullcontext() if k == len(slices) - 1 else acc.no_sync(self.critic):
@@ -403,8 +426,18 @@ class PPOTrainer:
                     values, old_values[s], returns[s], mask[s], cfg.vf_clip, cfg.loss_agg, cfg.sampling.max_new_tokens
                 )
                 acc.backward(vf_loss * weight)
+            total = total + (vf_loss * weight).detach()
             stats.add(self._value_stats(values, vf_loss, old_values[s], mask[s]), weight)
-        return optimizer_step(acc, self.critic, self.critic_optimizer, self.critic_scheduler, cfg.optim.max_grad_norm)
+        return optimizer_step(
+            acc,
+            self.critic,
+            self.critic_optimizer,
+            self.critic_scheduler,
+            cfg.optim.max_grad_norm,
+            self.critic_guard,
+            step + 1,
+            global_sum(acc, total) / acc.num_processes,
+        )
 
     def _value_stats(self, values, vf_loss, old_values, mask) -> dict:
         clipped = (values.detach() - old_values).abs() > (self.config.vf_clip or math.inf)
@@ -478,6 +511,7 @@ class PPOTrainer:
                     / global_sum(acc, len(scores)),
                     "kl_coef": self.kl_coef,
                     "lr": self.scheduler.get_last_lr()[0],
+                    "train/nonfinite_skips": self.guard.skips + self.critic_guard.skips,
                     "tokens_per_s": metrics["tokens_generated"] / seconds,
                 }
             )

@@ -44,6 +44,7 @@ from posttrain.trainers.config import (
     reject_ignored,
     validate_sections,
 )
+from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, save_final, split_train_eval
 
 DATA_FORMATS = ("auto", "pairs", "rankings")
@@ -171,6 +172,7 @@ def train(config: RMConfig, callbacks=()) -> dict:
     """Train a reward model; writes ``<run.output_dir>/final/reward``: a *ForSequenceClassification, or with
     ``model.lora`` its adapter, which ``load_reward_model`` (AutoModelForSequenceClassification) loads."""
     config.validate()
+    check_inputs(config)
     accelerator = build_accelerator(config.run)
     torch.manual_seed(config.run.seed)
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)

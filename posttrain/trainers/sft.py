@@ -18,6 +18,7 @@ from posttrain.core import masked_sum
 from posttrain.data import DataConfig, SequenceBatch, collate_packed, collate_sft, load_sft, pack_sft
 from posttrain.models import ModelConfig, load_policy, load_tokenizer, sequence_logprobs
 from posttrain.trainers.config import PLACED_BY_ACCELERATE, OptimConfig, RunConfig, reject_ignored, validate_sections
+from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
 
 
@@ -66,6 +67,7 @@ class SFTTask:
 def train(config: SFTConfig, callbacks=()) -> dict:
     """Fine-tune ``config.model`` on ``config.data``; writes ``<run.output_dir>/final/policy``."""
     config.validate()
+    check_inputs(config)
     accelerator = build_accelerator(config.run)
     torch.manual_seed(config.run.seed)
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)

@@ -1,0 +1,92 @@
+"""Run directories that never mix (issue 10 items 5, 6): a fresh run refuses a folder holding another run
+unless run.overwrite clears it; a checkpoint resumes only the run that wrote it, below its max_steps;
+the records of the steps after the checkpoint are cut before the resumed run writes them again."""
+
+import json
+
+import pytest
+from helpers import crash_at
+
+from posttrain.data.synthetic import arithmetic_sft
+from posttrain.trainers import checkpoint
+from posttrain.trainers.config import load_config
+from posttrain.trainers.metrics import read_metrics
+from posttrain.trainers.sft import SFTConfig
+from posttrain.trainers.sft import train as train_sft
+
+COMMON = ["run.batch_size=8", "run.micro_batch_size=8", "run.save_every=2", "run.keep_last=5"]
+
+
+def _config(tiny_dir, tmp_path, *overrides):
+    data = tmp_path / "sft.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_sft(32, seed=0)))
+    base = [
+        f"model.path={tiny_dir / 'policy'}",
+        f"data.path={data}",
+        f"run.output_dir={tmp_path / 'run'}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "data.chat_template=never",
+        "optim.lr=1e-3",
+    ]
+    return load_config(SFTConfig, None, base + COMMON + list(overrides))
+
+
+def test_a_fresh_run_refuses_a_folder_holding_a_run_and_overwrite_clears_it(tiny_dir, tmp_path):
+    """Item 5: a fresh run into a finished run's folder mixed the two (and resume then loaded the other's
+    checkpoint)."""
+    train_sft(_config(tiny_dir, tmp_path, "run.max_steps=4", "run.seed=1"))
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == ["step-000002"]
+    with pytest.raises(ValueError, match=r"run.output_dir: .* already holds a run .*run.overwrite=true"):
+        train_sft(_config(tiny_dir, tmp_path, "run.max_steps=2"))
+    train_sft(_config(tiny_dir, tmp_path, "run.max_steps=3", "run.overwrite=true"))
+    assert checkpoint.list_checkpoints(tmp_path / "run")[-1].name == "step-000002"
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]  # nothing of the first run
+
+
+def test_overwrite_never_clears_a_folder_posttrain_did_not_write(tiny_dir, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "thesis.tex").write_text("years of work")
+    with pytest.raises(ValueError, match="not a posttrain run folder"):
+        train_sft(_config(tiny_dir, tmp_path, "run.max_steps=1", "run.overwrite=true"))
+    assert (tmp_path / "run" / "thesis.tex").read_text() == "years of work"
+
+
+def test_resume_refuses_a_changed_config_naming_the_fields_and_allows_a_longer_run(tiny_dir, tmp_path, capsys):
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(_config(tiny_dir, tmp_path, "run.max_steps=6"), callbacks=[crash_at(3)])
+    with pytest.raises(ValueError, match=r"different config \(optim.lr: 0.001 in the checkpoint, 0.002 now\)"):
+        train_sft(_config(tiny_dir, tmp_path, "run.max_steps=6", "optim.lr=2e-3", "run.resume_from=latest"))
+    # how long to train, how often to save and log may change on a resume
+    train_sft(_config(tiny_dir, tmp_path, "run.max_steps=8", "run.save_every=4", "run.resume_from=latest"))
+    assert f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step-000002'} (step 2 of 8)" in capsys.readouterr().out
+
+
+def test_resume_past_max_steps_is_refused_and_latest_without_checkpoint_says_so(tiny_dir, tmp_path, capsys):
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(_config(tiny_dir, tmp_path, "run.max_steps=6"), callbacks=[crash_at(5)])
+    with pytest.raises(ValueError, match="is at step 4, at or past this run's 3 steps"):
+        train_sft(_config(tiny_dir, tmp_path, "run.max_steps=3", "run.resume_from=latest"))
+    fresh = _config(tiny_dir, tmp_path, "run.max_steps=1", "run.resume_from=latest")
+    fresh.run.output_dir = str(tmp_path / "empty")
+    train_sft(fresh)
+    assert f"resume_from=latest: no checkpoint in {tmp_path / 'empty'}; starting at step 0" in capsys.readouterr().out
+
+
+def test_resume_cuts_the_records_written_after_the_checkpoint(tiny_dir, tmp_path):
+    """Item 6: the steps between the checkpoint and the crash appeared twice in metrics.jsonl."""
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(_config(tiny_dir, tmp_path, "run.max_steps=6"), callbacks=[crash_at(5)])
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "loss": 1.')  # a line torn by the kill
+    train_sft(_config(tiny_dir, tmp_path, "run.max_steps=6", "run.resume_from=latest"))
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_checkpoint_records_the_config_that_wrote_it(tiny_dir, tmp_path):
+    train_sft(_config(tiny_dir, tmp_path, "run.max_steps=3"))
+    (ckpt,) = checkpoint.list_checkpoints(tmp_path / "run")
+    state = json.loads((ckpt / checkpoint.STATE_FILE).read_text())
+    assert (ckpt / checkpoint.CONFIG_FILE).read_text() == (tmp_path / "run" / "config.yaml").read_text()
+    assert len(state["config_hash"]) == 64
