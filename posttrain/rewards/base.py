@@ -178,21 +178,25 @@ def call_with_timeout(fn, prompts, completions, columns, timeout: float, isolati
     worker = context.Process(target=_child, args=(sender, fn, prompts, completions, columns), daemon=True)
     worker.start()
     sender.close()
+    answered = False
     try:
         if receiver.poll(timeout):
-            return receiver.recv()
+            answer = receiver.recv()
+            answered = True
+            return answer
         return ("timeout", None)
     except EOFError:  # the worker died without answering (killed, out of memory)
+        worker.join(1.0)
         return ("error", f"the reward worker exited with status {worker.exitcode} without an answer")
     finally:
-        if worker.is_alive():  # hung: its group, then the sandbox programs and folders it left
+        if worker.is_alive():  # hung, or lingering after its answer: its group (it and whatever it started)
             try:
                 os.killpg(worker.pid, signal.SIGKILL)
             except OSError:  # it ended between the check and the kill, or before its setsid
                 worker.kill()
-            worker.join()
-            sandbox.reap()
         worker.join()
+        if not answered:  # the sandbox programs and folders a dead worker may have left
+            sandbox.reap()
         receiver.close()
 
 

@@ -45,9 +45,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
-FIRST_UID = 61000  # unprivileged user ids of the sandboxes (root mode): blocks of UID_BLOCK from here
+# Unprivileged user ids of the sandboxes (root mode), in blocks of UID_BLOCK from FIRST_UID. Versions
+# before the leases used 61000 + worker slot for every process: the blocks start above those.
+FIRST_UID = 62000
 UID_BLOCK = 64  # user ids leased to one process: the most programs it runs at once
-UID_BLOCKS = 64  # blocks on a host: FIRST_UID + 64·64 stays below 65534 (nobody)
+UID_BLOCKS = 48  # blocks on a host: FIRST_UID + 48·64 stays below 65534 (nobody)
 OUTPUT_KEEP = 64 * 2**10  # bytes kept of each of stdout and stderr (the last ones)
 _RESULTS_MAX = 2**20  # bytes of result events beyond which the channel is taken as flooded
 _LEASE_DIR = "/run/lock" if os.path.isdir("/run/lock") else tempfile.gettempdir()
