@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from posttrain.data import load_gsm8k
-from posttrain.rewards import RewardComposer, RewardError, RewardSpec, overlong_penalty
+from posttrain.rewards import RewardComposer, RewardError, RewardSpec, overlong_penalty, sandbox
 from posttrain.rewards.code import check_code, code_tests, extract_code
 from posttrain.rewards.format import regex_format, think_answer_format
 from posttrain.rewards.length import length_penalty, per_token_length, soft_overlong
@@ -109,6 +109,8 @@ HOSTILE = {
 
 
 def _sandbox_processes():
+    """Live processes of this process's sandbox user-id block."""
+    first = sandbox.lease()
     found = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -116,7 +118,7 @@ def _sandbox_processes():
                 with open(f"/proc/{pid}/status") as f:
                     uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
                 state = open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0]
-                if 61000 <= uid < 62000 and state != "Z":
+                if first <= uid < first + sandbox.UID_BLOCK and state != "Z":
                     found.append(pid)
             except (OSError, StopIteration, ValueError):
                 continue
@@ -139,8 +141,10 @@ def test_sandbox_stops_or_contains_hostile_code(name, tmp_path):
     assert not target.exists() and not tmp_target.exists()
     namespaces = isolation_level() == "namespaces+uid"
     if name == "write outside" and IS_ROOT:
-        # denied to the sandbox's user, or invisible when the checkout lies under the sandbox's private /tmp
-        assert "Permission denied" in result.reason or "No such file or directory" in result.reason
+        # a read-only mount, denied to the sandbox's user, or invisible when the checkout lies under the
+        # sandbox's private /tmp
+        denied = ("Read-only file system", "Permission denied", "No such file or directory")
+        assert any(reason in result.reason for reason in denied), result.reason
     if name == "socket" and namespaces:
         assert "Network is unreachable" in result.reason
     if namespaces:
@@ -234,12 +238,14 @@ def faulty(tmp_path):
 
 
 def test_a_hanging_reward_is_killed_and_its_sample_marked(faulty):
-    composer = RewardComposer.from_specs([RewardSpec(f"{faulty}:hangs_on_x", timeout=1.0, max_failure_rate=1.0)])
+    spec = RewardSpec(f"{faulty}:hangs_on_x", timeout=1.0, max_failure_rate=1.0, retry_after_timeout=True)
+    composer = RewardComposer.from_specs([spec])
     start = time.perf_counter()
-    out = composer(["p"] * 3, ["a", "x", "b"], {})
-    assert time.perf_counter() - start < 5.0  # the batch call (1 s), then one call per sample (≈1 s for "x")
-    assert out.components["hangs_on_x"] == [1.0, None, 1.0]
-    assert math.isnan(out.total[1]) and out.metrics()["reward/hangs_on_x/timeouts"] == 1
+    out = composer(["p"] * 3, ["a", "b", "x"], {})
+    assert time.perf_counter() - start < 5.0  # the batch call (1 s), then the samples one by one within 1 s
+    assert out.components["hangs_on_x"] == [1.0, 1.0, None]
+    assert math.isnan(out.total[2]) and out.metrics()["reward/hangs_on_x/timeouts"] == 1
+    assert out.metrics()["reward/hangs_on_x/batch_timeouts"] == 1
 
 
 def test_a_raising_reward_stops_with_the_offending_sample_or_is_counted(faulty):

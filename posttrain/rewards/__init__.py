@@ -8,6 +8,7 @@ from posttrain.rewards.base import (
     RewardSpec,
     call_with_timeout,
     load_reward_function,
+    unpad,
 )
 from posttrain.rewards.length import length_penalty, overlong_penalty
 
@@ -21,4 +22,5 @@ __all__ = [
     "length_penalty",
     "load_reward_function",
     "overlong_penalty",
+    "unpad",
 ]

@@ -6,30 +6,46 @@ A reward function is any Python callable
 
 where ``columns`` are the other columns of the prompt rows (``answer``, ``tests``, ...), one value per
 completion. ``None`` means "not applicable to this sample" (a math reward on a coding prompt): it is
-left out of the weighted sum, never counted as 0. In YAML a reward is named ``module:function`` or
-``path/to/file.py:function`` with a weight.
+left out of the weighted sum, never counted as 0. Any other value must be a real number (int, float,
+bool as 0/1, a numpy scalar) and finite; anything else stops the run naming the function and sample.
+In YAML a reward is named ``module:function`` or ``path/to/file.py:function`` with a weight.
+
+A function that names a parameter ``prompt_ids`` / ``completion_ids`` also gets the rollout's token
+ids (one list per sample: the templated prompt without padding; the completion up to and including
+its EOS), and one that names ``policy_tokenizer`` gets the policy's tokenizer: what a reward model
+needs to read exactly the tokens the policy produced (``posttrain.rewards.model``).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import multiprocessing
+import numbers
 import os
+import signal
 import threading
+import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from posttrain.rewards import sandbox
 
 RewardFunction = Callable[..., list]
 ON_ERROR = ("raise", "skip")
 ISOLATION = ("process", "inline")
 _MIN_SAMPLES_FOR_ABORT = 20  # a failure rate is not judged on fewer samples
+TOKEN_COLUMNS = ("prompt_ids", "completion_ids")  # handed only to functions that name them
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class RewardError(RuntimeError):
@@ -56,6 +72,9 @@ class RewardSpec:
     isolation: str = "process"
     """process: each call runs in a forked worker that is killed on timeout; inline: in a thread of
     this process (for reward models: a hung call is abandoned, not killed)."""
+    retry_after_timeout: bool = False
+    """After a batch call times out, score its samples one by one, all within one more ``timeout``, to
+    keep the samples that do not hang (process isolation only). Off: every sample of the call gets None."""
 
     def validate(self, name: str = "rewards[]") -> None:
         if ":" not in self.function:
@@ -66,8 +85,10 @@ class RewardSpec:
             raise ValueError(f"{name}.on_error must be one of {ON_ERROR}, got {self.on_error!r}")
         if self.isolation not in ISOLATION:
             raise ValueError(f"{name}.isolation must be one of {ISOLATION}, got {self.isolation!r}")
-        if self.timeout <= 0 or not 0 <= self.max_failure_rate <= 1:
-            raise ValueError(f"{name}: timeout must be > 0 and max_failure_rate in [0, 1]")
+        if not 0 < self.timeout < math.inf or not 0 <= self.max_failure_rate <= 1:
+            raise ValueError(f"{name}: timeout must be finite and > 0, and max_failure_rate in [0, 1]")
+        if self.retry_after_timeout and self.isolation != "process":
+            raise ValueError(f"{name}.retry_after_timeout needs isolation: process (a hung thread cannot be killed)")
 
     @property
     def name(self) -> str:
@@ -108,7 +129,7 @@ class RewardOutput:
         return ~torch.isnan(self.total)
 
     def metrics(self) -> dict[str, float]:
-        out = {}
+        out = {"reward/applicable_share": float(self.applicable.float().mean()) if len(self.total) else math.nan}
         for name, values in self.components.items():
             scored = [v for v in values if v is not None]
             out[f"reward/{name}/mean"] = sum(scored) / len(scored) if scored else math.nan
@@ -117,9 +138,25 @@ class RewardOutput:
         return out
 
 
+def unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """[B, L] padded ids and their mask → B lists of the unmasked ids (the ``prompt_ids`` /
+    ``completion_ids`` columns handed to reward functions)."""
+    return [row[keep.bool()].tolist() for row, keep in zip(ids.cpu(), mask.cpu(), strict=True)]
+
+
+def _returned(result) -> tuple[str, object]:
+    """("ok", list) of what a reward function returned, or ("bad", what it was instead)."""
+    if isinstance(result, list | tuple):
+        return "ok", list(result)
+    if isinstance(result, torch.Tensor | np.ndarray) and result.ndim == 1:
+        return "ok", result.tolist()
+    return "bad", f"a {type(result).__name__} ({repr(result)[:200]})"
+
+
 def _child(conn, fn, prompts, completions, columns) -> None:
+    os.setsid()  # a group of its own: a timeout kills the worker and everything it started
     try:
-        conn.send(("ok", list(fn(prompts, completions, **columns))))
+        conn.send(_returned(fn(prompts, completions, **columns)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
@@ -127,7 +164,7 @@ def _child(conn, fn, prompts, completions, columns) -> None:
 
 
 def call_with_timeout(fn, prompts, completions, columns, timeout: float, isolation: str = "process"):
-    """("ok", values) | ("error", traceback) | ("timeout", None) of one call of a reward function."""
+    """("ok", values) | ("bad", what was returned) | ("error", traceback) | ("timeout", None) of one call."""
     if isolation == "inline":
         box: list = []
         thread = threading.Thread(target=lambda: box.append(_inline(fn, prompts, completions, columns)), daemon=True)
@@ -135,26 +172,37 @@ def call_with_timeout(fn, prompts, completions, columns, timeout: float, isolati
         thread.join(timeout)
         return box[0] if box else ("timeout", None)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # a forked child must not use tokenizer threads
+    sandbox.lease()  # before the fork: the worker's sandboxes use this process's user ids, reaped below
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
     worker = context.Process(target=_child, args=(sender, fn, prompts, completions, columns), daemon=True)
     worker.start()
     sender.close()
+    answered = False
     try:
         if receiver.poll(timeout):
-            return receiver.recv()
+            answer = receiver.recv()
+            answered = True
+            return answer
         return ("timeout", None)
     except EOFError:  # the worker died without answering (killed, out of memory)
+        worker.join(1.0)
         return ("error", f"the reward worker exited with status {worker.exitcode} without an answer")
     finally:
-        worker.kill()
+        if worker.is_alive():  # hung, or lingering after its answer: its group (it and whatever it started)
+            try:
+                os.killpg(worker.pid, signal.SIGKILL)
+            except OSError:  # it ended between the check and the kill, or before its setsid
+                worker.kill()
         worker.join()
+        if not answered:  # the sandbox programs and folders a dead worker may have left
+            sandbox.reap()
         receiver.close()
 
 
 def _inline(fn, prompts, completions, columns):
     try:
-        return ("ok", list(fn(prompts, completions, **columns)))
+        return _returned(fn(prompts, completions, **columns))
     except BaseException:
         return ("error", traceback.format_exc())
 
@@ -165,95 +213,176 @@ class _Tracked:
     fn: RewardFunction
     weight: float
     spec: RewardSpec
+    token_columns: list[str]  # the TOKEN_COLUMNS it names
     samples: int = 0
     failures: int = 0
-    timeouts: int = 0
+    timeouts: int = 0  # samples left without a score by a timeout
+    batch_timeouts: int = 0  # calls that timed out
 
 
 class RewardComposer:
-    """A weighted sum of reward functions, each run under a timeout and each component kept for logging."""
+    """A weighted sum of reward functions, each run under a timeout and each component kept for logging.
 
-    def __init__(self, functions: list[tuple[str, RewardFunction, float]], specs: list[RewardSpec] | None = None):
+    ``max_unscored_steps``: stop after this many calls in a row in which no function scored any
+    sample (every value None: nothing is learned from such a batch); 0 never stops."""
+
+    def __init__(
+        self,
+        functions: list[tuple[str, RewardFunction, float]],
+        specs: list[RewardSpec] | None = None,
+        tokenizer=None,
+        max_unscored_steps: int = 3,
+    ):
         if not functions:
             raise ValueError("at least one reward function is needed")
         specs = specs or [
             RewardSpec(function=f"<callable>:{name}", weight=w, isolation="inline") for name, _, w in functions
         ]
-        self.functions = [_Tracked(name, fn, w, spec) for (name, fn, w), spec in zip(functions, specs, strict=True)]
+        self.functions = []
+        for (name, fn, w), spec in zip(functions, specs, strict=True):
+            wanted = set(inspect.signature(fn).parameters)
+            if "policy_tokenizer" in wanted:
+                fn = partial(fn, policy_tokenizer=tokenizer)
+            self.functions.append(_Tracked(name, fn, w, spec, [c for c in TOKEN_COLUMNS if c in wanted]))
+        self.max_unscored_steps = max_unscored_steps
+        self.unscored_steps = 0
 
     @classmethod
-    def from_specs(cls, specs: list[RewardSpec]) -> RewardComposer:
+    def from_specs(cls, specs: list[RewardSpec], tokenizer=None, max_unscored_steps: int = 3) -> RewardComposer:
         functions = []
         for spec in specs:
             fn = load_reward_function(spec.function)
             functions.append((spec.name, partial(fn, **spec.kwargs) if spec.kwargs else fn, spec.weight))
-        return cls(functions, specs)
+        return cls(functions, specs, tokenizer, max_unscored_steps)
 
     def _scores(self, tracked: _Tracked, prompts, completions, columns) -> list:
-        """One function's values, with failing or hanging samples found one by one and handled."""
+        """One function's values; on a timeout or an error, handled as its spec says."""
         spec, B = tracked.spec, len(completions)
         status, payload = call_with_timeout(tracked.fn, prompts, completions, columns, spec.timeout, spec.isolation)
+        if status == "bad":
+            raise RewardError(
+                f"reward function {tracked.name!r} returned {payload}; it must return a list of {B} floats or None"
+            )
         if status == "ok":
             values = payload
             if len(values) != B:
                 raise RewardError(f"reward function {tracked.name!r} returned {len(values)} values for {B} completions")
-        elif status == "timeout" and spec.isolation == "inline":  # an abandoned thread: do not start B more
+        elif status == "timeout" and not spec.retry_after_timeout:  # one deadline per call: no B more waits
             values = [None] * B
+            tracked.batch_timeouts += 1
             tracked.timeouts += B
-        else:  # find the samples that fail or hang, one call each
-            values = []
-            for b in range(B):
-                one = {k: [v[b]] for k, v in columns.items()}
-                status, payload = call_with_timeout(
-                    tracked.fn, [prompts[b]], [completions[b]], one, spec.timeout, spec.isolation
-                )
-                if status == "ok" and len(payload) == 1:
-                    values.append(payload[0])
-                    continue
-                if status == "timeout":
-                    tracked.timeouts += 1
-                elif spec.on_error == "raise":
-                    raise RewardError(
-                        f"reward function {tracked.name!r} raised on a sample (set on_error: skip to score it "
-                        f"None and go on)\nprompt: {prompts[b]!r}\ncompletion: {completions[b]!r}\n{payload}"
-                    )
-                else:
-                    tracked.failures += 1
-                values.append(None)
+        else:
+            tracked.batch_timeouts += status == "timeout"
+            values = self._one_by_one(tracked, prompts, completions, columns)
         tracked.samples += B
         bad = tracked.failures + tracked.timeouts
         if tracked.samples >= _MIN_SAMPLES_FOR_ABORT and bad > spec.max_failure_rate * tracked.samples:
             raise RewardError(
-                f"reward function {tracked.name!r}: {tracked.failures} failures and {tracked.timeouts} timeouts in "
-                f"{tracked.samples} samples, over max_failure_rate={spec.max_failure_rate}"
+                f"reward function {tracked.name!r}: {tracked.failures} failures and {tracked.timeouts} timeouts "
+                f"({tracked.batch_timeouts} timed-out calls) in {tracked.samples} samples, over "
+                f"max_failure_rate={spec.max_failure_rate}"
             )
         return values
 
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> RewardOutput:
+    def _one_by_one(self, tracked: _Tracked, prompts, completions, columns) -> list:
+        """Find the samples that fail or hang, one call each, all within one ``timeout`` together."""
+        spec, values = tracked.spec, []
+        deadline = time.monotonic() + spec.timeout
+        for b in range(len(completions)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                tracked.timeouts += 1
+                values.append(None)
+                continue
+            one = {k: [v[b]] for k, v in columns.items()}
+            status, payload = call_with_timeout(tracked.fn, [prompts[b]], [completions[b]], one, left, spec.isolation)
+            if status == "ok" and len(payload) == 1:
+                values.append(payload[0])
+                continue
+            if status == "timeout":
+                tracked.timeouts += 1
+            elif spec.on_error == "raise":
+                raise RewardError(
+                    f"reward function {tracked.name!r} raised on a sample (set on_error: skip to score it "
+                    f"None and go on)\nprompt: {prompts[b]!r}\ncompletion: {completions[b]!r}\n{payload}"
+                )
+            else:
+                tracked.failures += 1
+            values.append(None)
+        return values
+
+    def __call__(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        columns: dict[str, list],
+        prompt_ids: list[list[int]] | None = None,
+        completion_ids: list[list[int]] | None = None,
+    ) -> RewardOutput:
+        """Score B samples. ``prompt_ids`` / ``completion_ids``: the rollout's tokens (``unpad``), handed
+        to the functions that name them."""
         B = len(completions)
-        total = torch.zeros(B, dtype=torch.float64)
+        token_ids = {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
+        total = torch.zeros(B, dtype=torch.float64)  # float64: a large sum is checked, not overflowed
         scored = torch.zeros(B, dtype=torch.bool)
         components = {}
         for tracked in self.functions:
-            values = self._scores(tracked, prompts, completions, columns)
+            given = {c: token_ids[c] for c in tracked.token_columns if token_ids[c] is not None}
+            values = self._scores(tracked, prompts, completions, {**columns, **given})
             for b, value in enumerate(values):
-                if value is None:
-                    continue
-                value = float(value)
-                if math.isnan(value):
-                    raise RewardError(
-                        f"reward function {tracked.name!r} returned NaN for completion {b} (prompt {prompts[b]!r}, "
-                        f"completion {completions[b]!r}); return None for 'not applicable'"
-                    )
-                total[b] += tracked.weight * value
-                scored[b] = True
+                if value is not None:
+                    total[b] += tracked.weight * _checked(tracked.name, value, prompts[b], completions[b])
+                    scored[b] = True
             components[tracked.name] = values
+        for b in (~total.abs().le(_FLOAT32_MAX) & scored).nonzero().flatten().tolist():
+            parts = {name: values[b] for name, values in components.items() if values[b] is not None}
+            raise RewardError(
+                f"the weighted sum of rewards of completion {b} is {float(total[b]):g}, beyond float32 (±3.4e38): "
+                f"{parts} (prompt {prompts[b]!r}, completion {completions[b]!r})"
+            )
+        self._count_unscored(int(scored.sum()), B)
         total = torch.where(scored, total, torch.nan).float()
         return RewardOutput(total, components, self.fault_counts())
+
+    def _count_unscored(self, scored: int, B: int) -> None:
+        if scored or not B:
+            self.unscored_steps = 0
+            return
+        self.unscored_steps += 1
+        names = ", ".join(t.name for t in self.functions)
+        if self.max_unscored_steps and self.unscored_steps >= self.max_unscored_steps:
+            raise RewardError(
+                f"no reward function ({names}) scored any sample in {self.unscored_steps} steps in a row (every "
+                f"value None): nothing is being learned. Check that the data has the columns they need."
+            )
+        warnings.warn(
+            f"no reward function ({names}) scored any of the {B} samples (every value None): nothing is learned "
+            f"from this batch ({self.unscored_steps} in a row; the run stops at max_unscored_steps="
+            f"{self.max_unscored_steps})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def fault_counts(self) -> dict[str, float]:
         out = {}
         for t in self.functions:
             out[f"reward/{t.name}/failures"] = t.failures
             out[f"reward/{t.name}/timeouts"] = t.timeouts
+            out[f"reward/{t.name}/batch_timeouts"] = t.batch_timeouts
         return out
+
+
+def _checked(name: str, value, prompt: str, completion: str) -> float:
+    """``value`` as a float when it is a finite real number (bool counts as 0/1); else a RewardError."""
+    where = f"for prompt {prompt!r}, completion {completion!r}"
+    if not isinstance(value, numbers.Real):
+        raise RewardError(
+            f"reward function {name!r} returned {type(value).__name__} {repr(value)[:200]} {where}; "
+            f"each value must be a real number (int, float) or None for 'not applicable'"
+        )
+    value = float(value)
+    if math.isnan(value):
+        raise RewardError(f"reward function {name!r} returned NaN {where}; return None for 'not applicable'")
+    if math.isinf(value):
+        raise RewardError(f"reward function {name!r} returned {value} {where}; rewards must be finite")
+    return value

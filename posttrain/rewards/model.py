@@ -6,9 +6,18 @@
       - function: posttrain.rewards.model:reward_ensemble
         kwargs: {paths: [rm_a, rm_b, rm_c], combine: mean_minus_std, k: 1.0}
 
-Each model is loaded once per process (cached by path) and scores ``prompt + completion`` texts in
-batches with its own tokenizer, read at the last token (``posttrain.models.sequence_scores``). An
-ensemble vetoes one model's blind spot with the others: ``min``, ``mean``, or ``mean − k·std``
+Each model is loaded once per process (cached by path) and scores samples in batches, read at the
+last token (``posttrain.models.sequence_scores``). A reward model must read the tokens it was trained
+on: the chat template and the EOS the rollout ended with, which the decoded texts have lost. So in
+GRPO/PPO (which hand the rollout's ``prompt_ids`` / ``completion_ids`` and the ``policy_tokenizer``)
+
+- when the reward model's tokenizer is the policy's (same vocabulary), it scores the rollout's token
+  ids as they are, exactly as PPO's ``reward_model`` does;
+- otherwise the ids are decoded with every special token kept (template, EOS) and re-tokenised by the
+  reward model's tokenizer, its own BOS/EOS standing in for the policy's.
+
+Called with texts alone, it scores ``prompt + completion`` as given (pass them rendered, with EOS).
+An ensemble vetoes one model's blind spot with the others: ``min``, ``mean``, or ``mean − k·std``
 (a conservative, uncertainty-penalised reward; Coste et al. 2024).
 """
 
@@ -28,23 +37,68 @@ def _load(path: str, device: str):
     return load_reward_model(ModelConfig(path=path, device=device)), load_tokenizer(path)
 
 
-def score_texts(path: str, texts: list[str], batch_size: int = 16, device: str = "cpu") -> torch.Tensor:
-    """Scores [N] of ``texts`` under the reward model at ``path``."""
+def score_ids(path: str, sequences: list[list[int]], batch_size: int = 16, device: str = "cpu") -> torch.Tensor:
+    """Scores [N] of token-id ``sequences`` (in the reward model's vocabulary) under the model at ``path``."""
     from posttrain.models import sequence_scores
 
     model, tokenizer = _load(path, device)
     scores = []
-    for i in range(0, len(texts), batch_size):
-        encoded = tokenizer(texts[i : i + batch_size], padding=True, return_tensors="pt")
+    for i in range(0, len(sequences), batch_size):
+        batch = tokenizer.pad({"input_ids": sequences[i : i + batch_size]}, return_tensors="pt")
         with torch.no_grad():
-            scores.append(sequence_scores(model, encoded["input_ids"].to(device), encoded["attention_mask"].to(device)))
+            scores.append(sequence_scores(model, batch["input_ids"].to(device), batch["attention_mask"].to(device)))
     return torch.cat(scores).cpu()
 
 
-def reward_model(prompts, completions, path: str, batch_size: int = 16, device: str = "cpu", **columns) -> list[float]:
-    """The score of ``prompt + completion`` under one reward model."""
-    texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-    return score_texts(path, texts, batch_size, device).tolist()
+def score_texts(path: str, texts: list[str], batch_size: int = 16, device: str = "cpu") -> torch.Tensor:
+    """Scores [N] of ``texts`` under the reward model at ``path`` (tokenised as given)."""
+    _, tokenizer = _load(path, device)
+    return score_ids(path, [tokenizer(text).input_ids for text in texts], batch_size, device)
+
+
+@functools.lru_cache(maxsize=8)
+def _same_vocabulary(path: str, device: str, policy_tokenizer) -> bool:
+    return _load(path, device)[1].get_vocab() == policy_tokenizer.get_vocab()
+
+
+def rerender(prompt_ids: list[int], completion_ids: list[int], policy_tokenizer, tokenizer) -> list[int]:
+    """The policy's tokens as ``tokenizer``'s: decoded with the template and EOS kept, the policy's BOS and
+    final EOS swapped for ``tokenizer``'s own, re-tokenised."""
+    ids = prompt_ids + completion_ids
+    head, tail = [], []
+    if ids and ids[0] == policy_tokenizer.bos_token_id and tokenizer.bos_token_id is not None:
+        ids, head = ids[1:], [tokenizer.bos_token_id]
+    if ids and ids[-1] == policy_tokenizer.eos_token_id:
+        ids, tail = ids[:-1], [tokenizer.eos_token_id]
+    text = policy_tokenizer.decode(ids, skip_special_tokens=False)
+    return head + tokenizer(text, add_special_tokens=False).input_ids + tail
+
+
+def sample_ids(path, prompts, completions, prompt_ids, completion_ids, policy_tokenizer, device) -> list[list[int]]:
+    """What the reward model at ``path`` reads for each sample (see the module docstring)."""
+    _, tokenizer = _load(path, device)
+    if prompt_ids is None or completion_ids is None or policy_tokenizer is None:
+        return [tokenizer(p + c).input_ids for p, c in zip(prompts, completions, strict=True)]
+    pairs = zip(prompt_ids, completion_ids, strict=True)
+    if _same_vocabulary(path, device, policy_tokenizer):
+        return [p + c for p, c in pairs]
+    return [rerender(p, c, policy_tokenizer, tokenizer) for p, c in pairs]
+
+
+def reward_model(
+    prompts,
+    completions,
+    path: str,
+    batch_size: int = 16,
+    device: str = "cpu",
+    prompt_ids: list[list[int]] | None = None,
+    completion_ids: list[list[int]] | None = None,
+    policy_tokenizer=None,
+    **columns,
+) -> list[float]:
+    """The score of each sample under one reward model."""
+    sequences = sample_ids(path, prompts, completions, prompt_ids, completion_ids, policy_tokenizer, device)
+    return score_ids(path, sequences, batch_size, device).tolist()
 
 
 def combine_scores(scores: torch.Tensor, combine: str = "mean", k: float = 1.0) -> torch.Tensor:
@@ -66,9 +120,21 @@ def reward_ensemble(
     k: float = 1.0,
     batch_size: int = 16,
     device: str = "cpu",
+    prompt_ids: list[list[int]] | None = None,
+    completion_ids: list[list[int]] | None = None,
+    policy_tokenizer=None,
     **columns,
 ) -> list[float]:
-    """Several reward models on the same completions, combined by ``combine``."""
-    texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-    scores = torch.stack([score_texts(path, texts, batch_size, device) for path in paths])
+    """Several reward models on the same samples, combined by ``combine``."""
+    scores = torch.stack(
+        [
+            score_ids(
+                path,
+                sample_ids(path, prompts, completions, prompt_ids, completion_ids, policy_tokenizer, device),
+                batch_size,
+                device,
+            )
+            for path in paths
+        ]
+    )
     return combine_scores(scores, combine, k).tolist()

@@ -2,39 +2,57 @@
 
 Each program runs in a fresh ``python -I`` process, started in its own session, with:
 
-- a wall-clock timeout: past it the whole process group is killed (SIGKILL);
+- a wall-clock timeout: past it the whole process group is killed (SIGKILL); the program also dies
+  with the process that started it (parent-death signal), so a killed reward worker leaves none;
 - ``resource`` limits: CPU seconds, address space (memory), file size, open files, no core dumps,
   and a cap on processes (a fork bomb runs out of processes, then out of time);
+- its output read as it comes, keeping only the last ``OUTPUT_KEEP`` bytes of each stream (a program
+  that prints in a loop costs the trainer no memory) within the same deadline;
 - a fresh working directory (and HOME/TMPDIR) that is deleted afterwards;
 - an environment with nothing inherited: no tokens, keys or proxies reach the code;
 - when the parent runs as root (as on these machines): new network and mount namespaces — no
-  network at all, private tmpfs over /tmp, /var/tmp and /dev/shm — and an unprivileged user id of
-  its own per worker slot, so writes outside the sandbox fail with "Permission denied" and every
-  process the program left behind is found and killed by that user id.
+  network at all, every mount read-only (``/run/lock`` included) but private tmpfs over /tmp,
+  /var/tmp and /dev/shm — and an unprivileged user id of its own, so writes outside the sandbox fail
+  and every process the program left behind is found and killed by that user id. User ids come from
+  a block of ``UID_BLOCK`` leased per trainer process (an flock'd lease file), so two trainers or two
+  ranks on one host never share one.
 
 Without root none of the namespace or user-id steps is possible: the process, time, memory and
 environment limits still hold, but the code can reach the network and write wherever the current
 user can. ``isolation_level()`` says which level is in force here. The harness reports results on a
-private pipe; it contains damage, it does not make results tamper-proof against code written to
-forge them.
+private pipe; the events must come in the harness's own order (program, then tests 0, 1, ... once
+each) or the result is marked ``tampered`` and scores 0. That catches a program that writes extra or
+repeated "passed" events; it cannot catch one that forges the exact sequence and then exits before
+the real tests run, since the program shares the harness's process.
 """
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import json
 import os
 import queue
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
-_FIRST_UID = 61000  # unprivileged user ids of the worker slots (root mode)
+# Unprivileged user ids of the sandboxes (root mode), in blocks of UID_BLOCK from FIRST_UID. Versions
+# before the leases used 61000 + worker slot for every process: the blocks start above those.
+FIRST_UID = 62000
+UID_BLOCK = 64  # user ids leased to one process: the most programs it runs at once
+UID_BLOCKS = 48  # blocks on a host: FIRST_UID + 48·64 stays below 65534 (nobody)
+OUTPUT_KEEP = 64 * 2**10  # bytes kept of each of stdout and stderr (the last ones)
+_RESULTS_MAX = 2**20  # bytes of result events beyond which the channel is taken as flooded
+_LEASE_DIR = "/run/lock" if os.path.isdir("/run/lock") else tempfile.gettempdir()
 
 
 def _readable_by_others(path: str) -> bool:
@@ -67,13 +85,27 @@ SANDBOX_PYTHON = _sandbox_python()
 _BOOTSTRAP = r"""
 import ctypes, json, os, resource, sys, traceback
 job = json.loads(sys.stdin.read())
+libc = ctypes.CDLL(None, use_errno=True)
+def die_with_parent():
+    libc.prctl(1, 9)  # PR_SET_PDEATHSIG = SIGKILL (cleared by setuid: set again after it)
+    if os.getppid() != job["parent"]:  # the parent died before the signal was set
+        os._exit(1)
+die_with_parent()
 results = os.fdopen(job["results_fd"], "w", buffering=1)
 def report(**kw):
     results.write(json.dumps(kw) + "\n")
 if job["uid"] is not None:
-    libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(0x00020000 | 0x40000000) == 0:  # CLONE_NEWNS | CLONE_NEWNET
         libc.mount(b"none", b"/", None, 16384 | (1 << 18), None)  # MS_REC | MS_PRIVATE
+        # every mount read-only (MS_REMOUNT | MS_BIND | MS_RDONLY, keeping nosuid/nodev/noexec/atime flags)
+        flags = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+        read_only = False
+        for line in open("/proc/self/mountinfo").read().splitlines():
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape").encode()
+            extra = sum(flags.get(option, 0) for option in fields[5].split(","))
+            done = libc.mount(None, point, None, 32 | 4096 | 1 | extra, None) == 0
+            read_only = read_only or (done and point == b"/")
         for target in (b"/tmp", b"/var/tmp", b"/dev/shm"):
             if os.path.isdir(target):
                 libc.mount(b"tmpfs", target, b"tmpfs", 0, b"size=64m,mode=1777")
@@ -81,7 +113,7 @@ if job["uid"] is not None:
         os.chown("/tmp/sandbox", job["uid"], job["uid"])
         os.chdir("/tmp/sandbox")
         os.environ["HOME"] = os.environ["TMPDIR"] = "/tmp/sandbox"
-        report(event="namespaces")
+        report(event="namespaces", read_only=read_only)
 limits = job["limits"]
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu"], limits["cpu"] + 1))
@@ -93,6 +125,7 @@ if job["uid"] is not None:
     os.setgroups([])
     os.setgid(job["uid"])
     os.setuid(job["uid"])
+    die_with_parent()
 namespace = {"__name__": "__main__"}
 try:
     exec(compile(job["code"], "<completion>", "exec"), namespace)
@@ -109,26 +142,90 @@ for i, test in enumerate(job["tests"]):
 """
 
 
+# --------------------------------------------------------------------------------------------------
+# User-id leases: one block per process, held by an flock until the process ends
+# --------------------------------------------------------------------------------------------------
+
+_lease_state: dict = {}  # "fd", "first_uid" (root), "owner" (the pid that leased), "slots"
+_lease_lock = threading.Lock()
+
+
+def lease() -> int | None:
+    """The first user id of this process's block (None without root), leased on first use.
+
+    A forked child (a reward worker) keeps its parent's block: its programs are the parent's to reap.
+    A block whose previous holder died is cleaned (its processes killed, its folders removed) first."""
+    with _lease_lock:
+        if not _lease_state:
+            _lease_state["owner"] = os.getpid()
+            _lease_state["first_uid"] = _lease_block() if IS_ROOT else None
+            _lease_state["slots"] = queue.Queue()
+            for slot in range(UID_BLOCK):
+                _lease_state["slots"].put(slot)
+            reap()
+        return _lease_state["first_uid"]
+
+
+def _lease_block() -> int:
+    for block in range(UID_BLOCKS):
+        path = os.path.join(_LEASE_DIR, f"posttrain-sandbox-uids-{block}.lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        _lease_state["fd"] = fd  # held open (and locked) for the life of the process
+        return FIRST_UID + block * UID_BLOCK
+    raise RuntimeError(f"all {UID_BLOCKS} sandbox user-id blocks are leased by running processes ({_LEASE_DIR})")
+
+
+def _folder_prefix(slot: int) -> str:
+    if _lease_state["first_uid"] is None:
+        return f"posttrain-sandbox-p{_lease_state['owner']}-"
+    return f"posttrain-sandbox-u{_lease_state['first_uid'] + slot}-"
+
+
+def reap() -> None:
+    """Kill every program of this process's block and remove their folders: what a killed reward
+    worker (or a dead previous holder of the block) left behind. Call when none of this process's
+    own sandboxes is running."""
+    if not _lease_state:
+        return
+    if _lease_state["first_uid"] is not None:
+        first = _lease_state["first_uid"]
+        _kill_uids(set(range(first, first + UID_BLOCK)))
+        prefixes = [_folder_prefix(slot) for slot in range(UID_BLOCK)]
+    else:
+        prefixes = [_folder_prefix(0)]
+    for prefix in prefixes:
+        for folder in glob.glob(os.path.join(tempfile.gettempdir(), prefix + "*")):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 @dataclass
 class SandboxResult:
     """What happened to one program."""
 
     passed: int = 0
     total: int = 0
-    status: str = "ok"  # ok | error | timeout | crashed
+    status: str = "ok"  # ok | error | timeout | crashed | tampered
     reason: str = ""  # why the score is not full: the first error, "timeout after 5.0 s", ...
     seconds: float = 0.0
-    stdout: str = ""
+    stdout: str = ""  # the last 2000 characters
     stderr: str = ""
+    output_bytes: int = 0  # all the program wrote to stdout and stderr (only the tails are kept)
     isolated: bool = False  # namespaces and a private user id were in force
+    read_only: bool = False  # and every mount but the private tmpfs was read-only
     errors: list[str] = field(default_factory=list)
 
     @property
     def score(self) -> float:
-        """Share of tests passed; 0 when the program failed, crashed or timed out (also after its tests)."""
+        """Share of tests passed in [0, 1]; 0 when the program failed, crashed, timed out (also after its
+        tests) or tampered with the results channel."""
         if self.status != "ok":
             return 0.0
-        return self.passed / self.total if self.total else 1.0
+        return min(self.passed, self.total) / self.total if self.total else 1.0
 
 
 def _clean_env(workdir: str) -> dict[str, str]:
@@ -143,8 +240,8 @@ def _clean_env(workdir: str) -> dict[str, str]:
     }
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid`` (the leftovers of a program: daemons, fork-bomb children)."""
+def _kill_uids(uids: set[int]) -> None:
+    """SIGKILL every process of ``uids`` (the leftovers of programs: daemons, fork-bomb children)."""
     for _ in range(5):
         found = False
         for pid in os.listdir("/proc"):
@@ -153,7 +250,7 @@ def _kill_uid(uid: int) -> None:
             try:
                 with open(f"/proc/{pid}/status") as f:
                     uid_line = next(line for line in f if line.startswith("Uid:"))
-                if int(uid_line.split()[1]) == uid:
+                if int(uid_line.split()[1]) in uids:
                     os.kill(int(pid), signal.SIGKILL)
                     found = True
             except (OSError, StopIteration, ValueError):
@@ -163,12 +260,78 @@ def _kill_uid(uid: int) -> None:
         time.sleep(0.05)
 
 
+class _Tail:
+    """The last ``keep`` bytes written to a stream, and how many there were in all."""
+
+    def __init__(self, keep: int):
+        self.keep, self.total, self.data = keep, 0, bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        self.data += chunk
+        if len(self.data) > 2 * self.keep:  # trim in bulk: amortised O(1) per byte
+            del self.data[: -self.keep]
+
+    def text(self, chars: int) -> str:
+        return bytes(self.data[-self.keep :]).decode(errors="replace")[-chars:]
+
+
+def _exchange(proc, job: bytes, results_fd: int, deadline: float) -> tuple[_Tail, _Tail, bytes, bool]:
+    """Write the job to stdin, read stdout, stderr and the results channel until all three close or the
+    deadline passes, keeping bounded amounts. Returns (stdout, stderr, results, finished in time)."""
+    out, err, results = _Tail(OUTPUT_KEEP), _Tail(OUTPUT_KEEP), bytearray()
+    readers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, results_fd: None}
+    stdin, pending = proc.stdin.fileno(), memoryview(job)
+    os.set_blocking(stdin, False)
+    while readers:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return out, err, bytes(results), False
+        writers = [stdin] if pending is not None else []
+        readable, writable, _ = select.select(list(readers), writers, [], left)
+        if writable:
+            try:
+                pending = pending[os.write(stdin, pending[:65536]) :]
+            except BrokenPipeError:
+                pending = memoryview(b"")
+            if not len(pending):
+                proc.stdin.close()
+                pending = None
+        for fd in readable:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                del readers[fd]
+            elif readers[fd] is not None:
+                readers[fd].add(chunk)
+            elif len(results) < _RESULTS_MAX:
+                results += chunk
+    try:
+        proc.wait(max(deadline - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        return out, err, bytes(results), False
+    return out, err, bytes(results), True
+
+
 def run_program(
-    code: str, tests: list[str] = (), timeout: float = 5.0, memory_mb: int = 512, max_processes: int = 16, slot: int = 0
+    code: str,
+    tests: list[str] = (),
+    timeout: float = 5.0,
+    memory_mb: int = 512,
+    max_processes: int = 16,
+    slot: int | None = None,
 ) -> SandboxResult:
-    """Run ``code`` then each test (Python statements, e.g. ``assert f(2) == 4``) in the sandbox."""
-    workdir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
-    uid = _FIRST_UID + slot if IS_ROOT else None
+    """Run ``code`` then each test (Python statements, e.g. ``assert f(2) == 4``) in the sandbox.
+
+    ``slot``: which user id of this process's block to use; None takes a free one."""
+    first_uid = lease()
+    if slot is None:
+        slot = _lease_state["slots"].get()
+        try:
+            return run_program(code, tests, timeout, memory_mb, max_processes, slot)
+        finally:
+            _lease_state["slots"].put(slot)
+    uid = None if first_uid is None else first_uid + slot
+    workdir = tempfile.mkdtemp(prefix=_folder_prefix(slot))
     if uid is not None:
         os.chown(workdir, uid, uid)
     read_fd, write_fd = os.pipe()
@@ -178,58 +341,86 @@ def run_program(
         "fsize": 16 * 2**20,
         "nproc": max_processes if IS_ROOT else _user_processes() + max_processes,
     }
-    job = {"code": code, "tests": list(tests), "uid": uid, "limits": limits, "results_fd": write_fd}
+    job = {
+        "code": code,
+        "tests": list(tests),
+        "uid": uid,
+        "limits": limits,
+        "results_fd": write_fd,
+        "parent": os.getpid(),
+    }
     start = time.perf_counter()
     result = SandboxResult(total=len(tests))
-    proc = subprocess.Popen(
-        [SANDBOX_PYTHON, "-I", "-c", _BOOTSTRAP],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        pass_fds=(write_fd,),
-        cwd=workdir,
-        env=_clean_env(workdir),
-        start_new_session=True,
-    )
-    os.close(write_fd)
-    stdout = stderr = b""
     try:
-        stdout, stderr = proc.communicate(json.dumps(job).encode(), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        result.status, result.reason = "timeout", f"timeout after {timeout:g} s"
+        proc = subprocess.Popen(
+            [SANDBOX_PYTHON, "-I", "-c", _BOOTSTRAP],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(write_fd,),
+            cwd=workdir,
+            env=_clean_env(workdir),
+            start_new_session=True,
+        )
+    finally:
+        os.close(write_fd)
+    try:
+        out, err, events, in_time = _exchange(proc, json.dumps(job).encode(), read_fd, time.monotonic() + timeout)
     finally:
         # the group, then (root) every process of the slot's user id: daemons that left the group too
         with _suppress():
             os.killpg(proc.pid, signal.SIGKILL)
         if uid is not None:
-            _kill_uid(uid)
-        if result.status == "timeout":
-            with _suppress():
-                stdout, stderr = proc.communicate(timeout=1.0)
+            _kill_uids({uid})
         proc.kill()
         proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            with _suppress():
+                stream.close()
+        os.close(read_fd)
         shutil.rmtree(workdir, ignore_errors=True)
     result.seconds = time.perf_counter() - start
-    result.stdout, result.stderr = stdout.decode(errors="replace")[-2000:], stderr.decode(errors="replace")[-2000:]
-    with os.fdopen(read_fd) as pipe:
-        events = [json.loads(line) for line in pipe.read().splitlines() if line.startswith("{")]
-    result.isolated = any(e["event"] == "namespaces" for e in events)
-    program = [e for e in events if e["event"] == "program"]
-    tests_done = [e for e in events if e["event"] == "test"]
-    result.passed = sum(e["ok"] for e in tests_done)
-    result.errors = [e["error"] for e in events if not e.get("ok", True)]
-    if result.status == "timeout":
-        result.passed = sum(e["ok"] for e in tests_done)
-        return result
-    if not program:
-        result.status, result.reason = "crashed", _crash_reason(proc.returncode, result.stderr)
-    elif not program[0]["ok"]:
-        result.status, result.reason = "error", program[0]["error"]
-    elif len(tests_done) < len(tests):
-        result.status, result.reason = "crashed", _crash_reason(proc.returncode, result.stderr)
-    elif result.passed < len(tests):
-        result.reason = next(e["error"] for e in tests_done if not e["ok"])
+    result.stdout, result.stderr = out.text(2000), err.text(2000)
+    result.output_bytes = out.total + err.total
+    if not in_time:
+        result.status, result.reason = "timeout", f"timeout after {timeout:g} s"
+    _read_events(result, events, proc.returncode)
     return result
+
+
+def _read_events(result: SandboxResult, events: bytes, returncode: int | None) -> None:
+    """Fill ``result`` from the results channel, which must hold the harness's events in its order:
+    [namespaces], program, test 0, test 1, ... each once. Anything else is tampering (score 0)."""
+    parsed = []
+    try:
+        parsed = [json.loads(line) for line in events.decode().splitlines()]
+        expected = ["program"] + [("test", i) for i in range(result.total)]
+        if parsed and parsed[0].get("event") == "namespaces":
+            result.isolated, result.read_only = True, parsed[0].get("read_only") is True
+            parsed = parsed[1:]
+        seen = [e["event"] if e["event"] == "program" else (e["event"], e["index"]) for e in parsed]
+        if (
+            len(events) >= _RESULTS_MAX
+            or seen != expected[: len(seen)]
+            or not all(isinstance(e.get("ok"), bool) for e in parsed)
+        ):
+            raise ValueError("events out of the harness's order")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        result.status, result.reason, result.passed = "tampered", "the results channel held forged events", 0
+        return
+    program, tests_done = parsed[:1], parsed[1:]
+    result.passed = sum(e["ok"] for e in tests_done)
+    result.errors = [str(e.get("error", "")) for e in parsed if not e["ok"]]
+    if result.status == "timeout":
+        return
+    if not program:
+        result.status, result.reason = "crashed", _crash_reason(returncode, result.stderr)
+    elif not program[0]["ok"]:
+        result.status, result.reason = "error", str(program[0].get("error"))
+    elif len(tests_done) < result.total:
+        result.status, result.reason = "crashed", _crash_reason(returncode, result.stderr)
+    elif result.passed < result.total:
+        result.reason = next(str(e.get("error")) for e in tests_done if not e["ok"])
 
 
 def _crash_reason(returncode: int | None, stderr: str) -> str:
@@ -278,17 +469,7 @@ def isolation_level() -> str:
 
 
 def run_programs(jobs: list[tuple[str, list[str]]], max_workers: int = 4, **limits) -> list[SandboxResult]:
-    """Run many (code, tests) jobs concurrently, at most ``max_workers`` at a time, each in its own slot."""
-    slots: queue.Queue[int] = queue.Queue()
-    for slot in range(max_workers):
-        slots.put(slot)
-
-    def one(job):
-        slot = slots.get()
-        try:
-            return run_program(job[0], job[1], slot=slot, **limits)
-        finally:
-            slots.put(slot)
-
-    with ThreadPoolExecutor(max_workers=max_workers) as pool:
-        return list(pool.map(one, jobs))
+    """Run many (code, tests) jobs concurrently, at most ``max_workers`` at a time, each with a user id
+    of this process's block that no other running program has."""
+    with ThreadPoolExecutor(max_workers=min(max_workers, UID_BLOCK)) as pool:
+        return list(pool.map(lambda job: run_program(job[0], job[1], **limits), jobs))

@@ -40,7 +40,7 @@ from posttrain.core import (
 )
 from posttrain.data import DataConfig, load_prompts
 from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
-from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty
+from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty, unpad
 from posttrain.rollout import ROLLOUT_ENGINES, Rollout, SamplingParams, concat_rollouts
 from posttrain.trainers.checkpoint import save_checkpoint
 from posttrain.trainers.config import (
@@ -171,6 +171,8 @@ class GRPOConfig:
     rollout_engine: str = "hf"
     """Sampler: hf (transformers generate, any model) or lean (posttrain's decode loop, faster on CPUs and
     small models: the same distribution and log-probs, prompts prefilled once per group)."""
+    max_unscored_steps: int = 3
+    """Stop after this many steps in a row in which no reward function scored any sample (0 = never)."""
 
     def validate(self) -> None:
         validate_sections(self)
@@ -186,6 +188,8 @@ class GRPOConfig:
             raise ValueError("rewards: at least one reward function is needed ({function: module:function})")
         for i, spec in enumerate(self.rewards):
             spec.validate(f"rewards[{i}]")
+        if self.max_unscored_steps < 0:
+            raise ValueError(f"max_unscored_steps must be >= 0 (0 = never stop), got {self.max_unscored_steps}")
         check_choice("preset", self.preset, ["none", *self.PRESETS])
         check_choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
         check_choice("scale_rewards", self.scale_rewards, REWARD_SCALES)
@@ -277,7 +281,7 @@ class GRPOTrainer:
                 f"minibatches={config.minibatches} is more than the {self.local_prompts * config.num_generations} "
                 f"completions each of the {world} process(es) holds per step (run.batch_size={config.run.batch_size})"
             )
-        self.rewards = RewardComposer.from_specs(config.rewards)
+        self.rewards = RewardComposer.from_specs(config.rewards, self.tokenizer, config.max_unscored_steps)
 
         policy = load_policy(replace(config.model, device="cpu"))
         self.reference = None
@@ -302,7 +306,13 @@ class GRPOTrainer:
     # -- 1-2. rollout and rewards ---------------------------------------------------------------
 
     def _score(self, rollout: Rollout, columns: dict) -> tuple[torch.Tensor, dict]:
-        out = self.rewards(rollout.prompts, rollout.responses, columns)
+        out = self.rewards(
+            rollout.prompts,
+            rollout.responses,
+            columns,
+            unpad(rollout.prompt_ids, rollout.prompt_mask),
+            unpad(rollout.response_ids, rollout.response_mask),
+        )
         cfg = self.config
         scores = out.total
         if cfg.overlong_buffer_fraction > 0:
@@ -513,11 +523,13 @@ class GRPOTrainer:
             done = step + 1
             seconds = time.perf_counter() - t0
             valid_scores = scores[applicable]
+            scored = global_sum(acc, len(valid_scores))
             metrics.update(response_metrics(acc, rollout))
             metrics.update(timer.read(seconds))
             metrics.update(
                 {
-                    "reward/mean": global_sum(acc, valid_scores.sum()) / max(global_sum(acc, len(valid_scores)), 1.0),
+                    "reward/mean": global_sum(acc, valid_scores.sum()) / scored if scored else math.nan,  # not 0
+                    "reward/applicable_share": scored / global_sum(acc, len(scores)),
                     "reward/std": float(acc.gather(scores).std()) if len(scores) > 1 else 0.0,
                     "kl_coef": cfg.kl_coef,
                     "lr": self.scheduler.get_last_lr()[0],

@@ -51,7 +51,7 @@ from posttrain.models import (
     load_tokenizer,
     sequence_scores,
 )
-from posttrain.rewards import RewardComposer, RewardSpec
+from posttrain.rewards import RewardComposer, RewardSpec, unpad
 from posttrain.rollout import ROLLOUT_ENGINES, SamplingParams
 from posttrain.trainers.checkpoint import save_checkpoint
 from posttrain.trainers.config import (
@@ -165,6 +165,8 @@ class PPOConfig:
     rollout_engine: str = "hf"
     """Sampler: hf (transformers generate, any model) or lean (posttrain's decode loop, faster on CPUs and
     small models: the same distribution and log-probs, prompts prefilled once per group)."""
+    max_unscored_steps: int = 3
+    """Stop after this many steps in a row in which no reward function scored any sample (0 = never)."""
 
     def validate(self) -> None:
         validate_sections(self)
@@ -181,6 +183,8 @@ class PPOConfig:
             raise ValueError("a reward is needed: reward_model.path and/or rewards [{function: module:function}]")
         for i, spec in enumerate(self.rewards):
             spec.validate(f"rewards[{i}]")
+        if self.max_unscored_steps < 0:
+            raise ValueError(f"max_unscored_steps must be >= 0 (0 = never stop), got {self.max_unscored_steps}")
         check_choice("critic", self.critic, CRITIC_MODES)
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
@@ -233,7 +237,11 @@ class PPOTrainer:
             self.reward_model = load_reward_model(
                 replace(config.reward_model, device=config.reward_device or str(acc.device))
             )
-        self.reward_functions = RewardComposer.from_specs(config.rewards) if config.rewards else None
+        self.reward_functions = (
+            RewardComposer.from_specs(config.rewards, self.tokenizer, config.max_unscored_steps)
+            if config.rewards
+            else None
+        )
         self.shared = config.critic == "shared"
         self.total_steps = config.run.max_steps or max(
             1, math.ceil(config.run.epochs * len(self.prompts) / prompts_per_step)
@@ -326,7 +334,13 @@ class PPOTrainer:
                 self.accelerator, len(rm)
             )
         if self.reward_functions is not None:
-            out = self.reward_functions(rollout.prompts, rollout.responses, columns)
+            out = self.reward_functions(
+                rollout.prompts,
+                rollout.responses,
+                columns,
+                unpad(rollout.prompt_ids, rollout.prompt_mask),
+                unpad(rollout.response_ids, rollout.response_mask),
+            )
             metrics.update(out.metrics())
             scores += torch.nan_to_num(out.total, nan=0.0).to(device)  # PPO has no group: unscored rows add 0
         if cfg.missing_eos_penalty is not None:  # looks at the response only: truncated = no EOS in it
