@@ -427,3 +427,29 @@ def test_evaluation_leaves_training_unchanged(noisy_sft, tmp_path):
     assert all("eval/sampled/pass@2" in r for r in evaluated)
     weights = [load_file(tmp_path / run / "final" / "policy" / "model.safetensors") for run in ("plain", "evaluated")]
     assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
+
+
+def test_posttrain_eval_of_a_lora_adapter_scored_by_a_reward_model(tiny_dir, tmp_path, capsys):
+    """`posttrain eval --model ADAPTER --reward-model RM`: the adapter loads on its base (a fresh adapter
+    generates as the base does) and the reward model's mean score is that of the written completions."""
+    from posttrain.cli import main
+    from posttrain.models import ModelConfig, load_policy, load_tokenizer
+    from posttrain.rewards.model import score_texts
+
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+    adapter = tmp_path / "adapter"
+    load_policy(ModelConfig(path=str(tiny_dir / "policy"), device="cpu", lora=lora)).save_pretrained(adapter)
+    load_tokenizer(str(tiny_dir / "policy")).save_pretrained(adapter)
+    data = write_jsonl(tmp_path / "prompts.jsonl", HELD_OUT[:6])
+    completions = {}
+    for name, model in (("adapter", adapter), ("base", tiny_dir / "policy")):
+        argv = ["eval", "--model", str(model), "--data", data, "--reward-model", str(tiny_dir / "reward")]
+        argv += ["--max-new-tokens", "6", "--output-dir", str(tmp_path / name), "data.chat_template=never"]
+        assert main([*argv, "model.device=cpu"]) == 0
+        capsys.readouterr()
+        rows = [json.loads(line) for line in (tmp_path / name / "eval_samples.jsonl").read_text().splitlines()]
+        completions[name] = [r["completion"] for r in rows]
+        summary = json.loads((tmp_path / name / "eval_summary.json").read_text())
+        direct = score_texts(str(tiny_dir / "reward"), [r["prompt"] + r["completion"] for r in rows])
+        assert summary["eval/greedy/reward/reward_model"] == pytest.approx(float(direct.mean()), rel=1e-5)
+    assert completions["adapter"] == completions["base"]
