@@ -453,3 +453,29 @@ def test_posttrain_eval_of_a_lora_adapter_scored_by_a_reward_model(tiny_dir, tmp
         direct = score_texts(str(tiny_dir / "reward"), [r["prompt"] + r["completion"] for r in rows])
         assert summary["eval/greedy/reward/reward_model"] == pytest.approx(float(direct.mean()), rel=1e-5)
     assert completions["adapter"] == completions["base"]
+
+
+def test_reward_hacking_raises_rise_then_collapse_alert(noisy_sft, tmp_path):
+    """Alert 7: trained on exact answer + 0.3 per character, the policy learns to ramble: the training
+    reward rises while the held-out exact-match accuracy (eval.rewards, never optimised) falls."""
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", HELD_OUT[::3])
+    length_bonus = "{function: 'posttrain.rewards.length:per_token_length', kwargs: {per_token: -0.3}}"
+    config = _grpo(
+        noisy_sft,
+        tmp_path / "hacked",
+        f"rewards=[{{function: 'posttrain.rewards.builtin:exact_answer'}}, {length_bonus}]",
+        "eval.rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]",
+        f"eval.path={held_out}",
+        "run.eval_every=1",
+        "sampling.max_new_tokens=12",
+        "run.batch_size=32",
+        "run.max_steps=8",
+        "optim.lr=2e-3",
+        "alerts.window=6",
+    )
+    train_grpo(config)
+    records, alerts = read_metrics(tmp_path / "hacked"), read_alerts(tmp_path / "hacked")
+    accuracy = [r["eval/greedy/accuracy"] for r in records]
+    rewards = [r["reward/mean"] for r in records]
+    assert accuracy[-1] < max(accuracy) - 0.1 and rewards[-1] > rewards[0]  # the run did what the alert says
+    assert 7 in [a["id"] for a in alerts], (accuracy, rewards)
