@@ -4,6 +4,8 @@ posttrain sft --config examples/sft_tiny.yaml run.max_steps=50 optim.lr=1e-4
 posttrain rm  --config examples/rm_tiny.yaml
 posttrain dpo --help          # every option, its default and its doc
 posttrain tiny --out runs/tiny   # build the tiny offline models the examples use
+posttrain eval --model runs/grpo/final/policy --data prompts.jsonl --rewards posttrain.rewards.builtin:exact_answer
+posttrain report runs/grpo runs/ppo --out report.html
 """
 
 from __future__ import annotations
@@ -66,7 +68,70 @@ def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True, help="folder to write policy/ and reward/ into")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    _add_eval_parser(sub)
+    report = sub.add_parser("report", help="one self-contained HTML report of one or more run folders")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    report.add_argument(
+        "--out", help="HTML file to write (default: RUN_DIR/report.html for one run, else ./report.html)"
+    )
     return parser
+
+
+def _add_eval_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="held-out evaluation of any checkpoint: accuracy, pass@k, mean rewards, lengths",
+        description="Generate for the prompts of --data and score the completions: a table and a JSON summary.",
+    )
+    p.add_argument("--model", required=True, help="model folder, hub id, or LoRA adapter folder")
+    p.add_argument("--data", required=True, help="prompt rows {prompt, ...}; other columns go to the rewards")
+    p.add_argument("--rewards", default="", help="comma-separated reward functions (module:function)")
+    p.add_argument("--reward-model", action="append", default=[], help="a reward model folder (repeatable)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = one greedy completion per prompt")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt when temperature > 0")
+    p.add_argument("--k", default="", help="comma-separated k for pass@k (default 1 and n)")
+    p.add_argument("--greedy", action="store_true", help="also a greedy pass when temperature > 0")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--output-dir", default=None, help="write eval_summary.json and eval_samples.jsonl here")
+    p.add_argument("--config", help="YAML file with EvalRunConfig options")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.chat_template=never eval.seed=1")
+
+
+def _eval_overrides(args) -> list[str]:
+    """The eval flags as EvalRunConfig key=value overrides (explicit key=value ones come last and win)."""
+    specs = [{"function": f} for f in args.rewards.split(",") if f]
+    specs += [
+        {"function": "posttrain.rewards.model:reward_model", "kwargs": {"path": p}, "isolation": "inline"}
+        for p in args.reward_model
+    ]
+    out = [f"model.path={args.model}", f"data.path={args.data}", f"rewards={json.dumps(specs)}"]
+    if args.temperature == 0:
+        if args.n > 1:
+            raise ValueError("--n > 1 needs --temperature > 0 (greedy decoding gives one completion per prompt)")
+        out += ["eval.greedy=true", "eval.n=0"]
+    else:
+        out += [f"eval.greedy={str(args.greedy).lower()}", f"eval.n={args.n}", f"eval.temperature={args.temperature}"]
+    if args.k:
+        out.append(f"eval.k=[{args.k}]")
+    if args.max_new_tokens is not None:
+        out.append(f"sampling.max_new_tokens={args.max_new_tokens}")
+    if args.output_dir:
+        out.append(f"output_dir={args.output_dir}")
+    return out + list(args.overrides)
+
+
+def _run_eval(parser, args) -> int:
+    from posttrain.monitor.evaluate import EvalRunConfig, evaluate_checkpoint, format_table
+    from posttrain.trainers.config import load_config
+
+    try:
+        config = load_config(EvalRunConfig, args.config, _eval_overrides(args))
+    except (ValueError, FileNotFoundError) as err:
+        parser.exit(2, f"posttrain eval: error: {err}\n")
+    metrics = evaluate_checkpoint(config)
+    print(format_table(metrics))
+    print(json.dumps(metrics, indent=2))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         for kind, folder in (("causal", "policy"), ("reward", "reward")):
             path = build_tiny(os.path.join(args.out, folder), kind=kind, arch=args.arch, seed=args.seed)
             print(f"wrote {path}")
+        return 0
+    if args.command == "eval":
+        return _run_eval(parser, args)
+    if args.command == "report":
+        from posttrain.monitor.report import write_report
+
+        print(f"wrote {write_report(args.runs, args.out)}")
         return 0
     module_name, class_name, _ = TRAINERS[args.command]
     module = importlib.import_module(module_name)

@@ -9,7 +9,8 @@
 6. RLHF-PPO of the tiny model against that reward model: the score rises while the KL stays bounded.
 
 Every number printed is measured in the run; the run directories hold metrics.jsonl, TensorBoard
-events, the resolved configs and Hugging Face checkpoints of every model.
+events, the resolved configs and Hugging Face checkpoints of every model, and ``report.html`` plots
+them all (``posttrain report``), with the health alerts the online runs raised.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 from posttrain.data.synthetic import arithmetic_sft, vowel_count, vowel_rankings
 from posttrain.models import ModelConfig, load_causal_lm, load_tokenizer
 from posttrain.models.tiny import build_tiny
+from posttrain.monitor.alerts import read_alerts
+from posttrain.monitor.report import write_report
 from posttrain.rollout import HFEngine, SamplingParams
 from posttrain.trainers.config import load_config
 from posttrain.trainers.metrics import read_metrics
@@ -69,6 +72,7 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
     print("1. building a tiny Llama and a character tokenizer (offline)")
     policy_dir = str(build_tiny(out_path / "tiny" / "policy", seed=seed))
     held_out = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]  # all 100 sums
+    held_out_path = _write(out_path / "data" / "held_out.jsonl", held_out)
 
     print(f"2. SFT on single-digit sums from a demonstrator that is off by one half the time ({steps['sft']} steps)")
     sft_data = _write(out_path / "data" / "sft.jsonl", arithmetic_sft(2000, seed=seed, low=0, high=9, noise=0.5))
@@ -114,6 +118,8 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
                 "optim.lr=5e-4",
                 "sampling.max_new_tokens=4",
                 "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]",
+                f"eval.path={held_out_path}",
+                f"run.eval_every={max(1, steps['grpo'] // 3)}",
             ],
         )
     )
@@ -213,6 +219,10 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
         "vowel_share_after": sum(vowel_count(t) for t in texts) / max(1, sum(len(t) for t in texts)),
         "samples_after": texts[:4],
     }
+    results["alerts"] = {name: len(read_alerts(out_path / name)) for name in ("grpo", "ppo")}
+    results["report"] = str(
+        write_report([out_path / n for n in ("sft", "grpo", "dpo", "rm", "ppo")], out_path / "report.html")
+    )
     results["seconds"] = round(time.perf_counter() - start, 1)
     (out_path / "summary.json").write_text(json.dumps(results, indent=2))
     _print_summary(results, out_path)
@@ -240,6 +250,7 @@ def _print_summary(r: dict, out_path: Path) -> None:
             "PPO samples after training (vowel share)",
             f"{', '.join(r['ppo']['samples_after'])} ({r['ppo']['vowel_share_after']:.0%})",
         ),
+        ("health alerts raised (GRPO / PPO)", f"{r['alerts']['grpo']} / {r['alerts']['ppo']}"),
         ("wall time (s)", f"{r['seconds']}"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -247,6 +258,7 @@ def _print_summary(r: dict, out_path: Path) -> None:
     for key, value in rows:
         print(f"  {key.ljust(width)}  {value}")
     print(f"\nruns, metrics and checkpoints: {out_path}/  (summary.json, */metrics.jsonl, */final/)")
+    print(f"report (plots, alerts, samples): {r['report']}")
 
 
 if __name__ == "__main__":

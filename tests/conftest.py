@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 from pathlib import Path
@@ -42,3 +43,39 @@ def tokenizer(tiny_dir):
     from posttrain.models import load_tokenizer
 
     return load_tokenizer(str(tiny_dir / "policy"))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def noisy_sft(tiny_dir, tmp_path_factory):
+    """A tiny model SFT'd on single-digit sums from a demonstrator that is off by one half the time:
+    about half of its samples are right, and a verifiable reward can tell which."""
+    from posttrain.data.synthetic import arithmetic_sft
+    from posttrain.trainers import sft
+    from posttrain.trainers.config import load_config
+
+    root = tmp_path_factory.mktemp("noisy_sft")
+    data = write_jsonl(root / "sft.jsonl", arithmetic_sft(2000, seed=0, low=0, high=9, noise=0.5))
+    prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(300, seed=1, low=0, high=9)]
+    config = load_config(
+        sft.SFTConfig,
+        None,
+        [
+            f"model.path={tiny_dir / 'policy'}",
+            f"data.path={data}",
+            "data.chat_template=never",
+            f"run.output_dir={root / 'sft'}",
+            "run.max_steps=300",
+            "run.batch_size=32",
+            "optim.lr=3e-3",
+            "optim.scheduler=cosine",
+            "run.progress=false",
+            "run.report_to=[jsonl]",
+        ],
+    )
+    sft.train(config)
+    return {"policy": str(root / "sft" / "final" / "policy"), "prompts": write_jsonl(root / "prompts.jsonl", prompts)}

@@ -9,7 +9,7 @@ from helpers import crash_at
 from safetensors.torch import load_file
 
 from posttrain.core import aggregate_loss, group_advantages, kl_penalty, ppo_policy_loss
-from posttrain.data.synthetic import arithmetic_sft, vowel_pairs
+from posttrain.data.synthetic import vowel_pairs
 from posttrain.models import response_logprobs
 from posttrain.rewards import RewardComposer, RewardError
 from posttrain.trainers.config import load_config
@@ -26,35 +26,6 @@ EXACT = "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]"
 def _jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def noisy_sft(tiny_dir, tmp_path_factory):
-    """A tiny model SFT'd on single-digit sums from a demonstrator that is off by one half the time:
-    about half of its samples are right, and a verifiable reward can tell which."""
-    from posttrain.trainers import sft
-
-    root = tmp_path_factory.mktemp("noisy_sft")
-    data = _jsonl(root / "sft.jsonl", arithmetic_sft(2000, seed=0, low=0, high=9, noise=0.5))
-    prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(300, seed=1, low=0, high=9)]
-    config = load_config(
-        sft.SFTConfig,
-        None,
-        [
-            f"model.path={tiny_dir / 'policy'}",
-            f"data.path={data}",
-            "data.chat_template=never",
-            f"run.output_dir={root / 'sft'}",
-            "run.max_steps=300",
-            "run.batch_size=32",
-            "optim.lr=3e-3",
-            "optim.scheduler=cosine",
-            "run.progress=false",
-            "run.report_to=[jsonl]",
-        ],
-    )
-    sft.train(config)
-    return {"policy": str(root / "sft" / "final" / "policy"), "prompts": _jsonl(root / "prompts.jsonl", prompts)}
 
 
 def _grpo(noisy_sft, tmp_path, name, *overrides):

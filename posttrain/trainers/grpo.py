@@ -40,6 +40,7 @@ from posttrain.core import (
 )
 from posttrain.data import DataConfig, load_prompts
 from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
+from posttrain.monitor import AlertConfig, EvalConfig, RunMonitor
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty, unpad
 from posttrain.rollout import ROLLOUT_ENGINES, Rollout, SamplingParams, concat_rollouts
 from posttrain.trainers.checkpoint import save_checkpoint
@@ -59,6 +60,7 @@ from posttrain.trainers.loop import (
     build_optimizer,
     optimizer_step,
     save_final,
+    split_train_eval,
     start_run,
 )
 from posttrain.trainers.online import (
@@ -173,6 +175,10 @@ class GRPOConfig:
     small models: the same distribution and log-probs, prompts prefilled once per group)."""
     max_unscored_steps: int = 3
     """Stop after this many steps in a row in which no reward function scored any sample (0 = never)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation (eval.path or data.eval_fraction) every run.eval_every steps and at the end."""
+    alerts: AlertConfig = field(default_factory=AlertConfig)
+    """Health alerts over the logged metrics: thresholds (console, progress bar, alerts.jsonl)."""
 
     def validate(self) -> None:
         validate_sections(self)
@@ -180,8 +186,6 @@ class GRPOConfig:
             self,
             {
                 "model.device": PLACED_BY_ACCELERATE,
-                "run.eval_every": "held-out evaluation is not implemented in grpo yet; leave it null",
-                "data.eval_fraction": "held-out evaluation is not implemented in grpo yet; leave it 0",
             },
         )
         if not self.rewards:
@@ -265,6 +269,7 @@ class GRPOTrainer:
         torch.manual_seed(config.run.seed)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
         self.prompts, report = load_prompts(config.data, self.tokenizer)
+        self.prompts, eval_prompts = split_train_eval(self.prompts, config.data.eval_fraction, config.run.seed)
         self.accelerator.print(f"[grpo] prompts: {report.summary()}")
         self.accelerator.print(f"[grpo] {config.preset_report()}")
         if config.sampling.temperature == 0:
@@ -301,6 +306,7 @@ class GRPOTrainer:
         self.engine = ROLLOUT_ENGINES[config.rollout_engine](self.accelerator.unwrap_model(self.model), self.tokenizer)
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
         self.guard = NonFiniteGuard(self.accelerator, config.run)
+        self.monitor = RunMonitor(config, eval_prompts, self.tokenizer, self.accelerator, "reward/mean", "reward/std")
         self.passes = {"old_logprobs": 0, "reference": 0, "policy_train": 0}
 
     # -- 1-2. rollout and rewards ---------------------------------------------------------------
@@ -539,8 +545,9 @@ class GRPOTrainer:
                 }
             )
             write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
-            if done % cfg.run.log_every == 0 or done == self.total_steps:
-                logger.log(done, metrics, ("reward/mean", "kl/per_token", "policy/clipfrac"))
+            metrics.update(self.monitor.after_step(self.engine, done, self.total_steps, metrics))
+            if done % cfg.run.log_every == 0 or done == self.total_steps or "time/eval" in metrics:
+                logger.log(done, metrics, ("reward/mean", "kl/per_token", "policy/clipfrac", *self.monitor.bar_keys))
             logger.advance()
             if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
                 save_checkpoint(

@@ -28,6 +28,7 @@ class MetricsLogger:
         self._file = None
         self._tb = self._wandb = self._mlflow = None
         self._bar = None
+        self._shown: dict[str, str] = {}  # the bar keeps a key's last value (eval runs only some steps)
         self._start = time.perf_counter()
         if not enabled:
             return
@@ -77,7 +78,8 @@ class MetricsLogger:
         if self._mlflow is not None:
             self._mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None}, step=step)
         if self._bar is not None:
-            self._bar.set_postfix({k: f"{metrics[k]:.4g}" for k in keys_for_bar if k in metrics}, refresh=False)
+            self._shown.update({k: f"{metrics[k]:.4g}" for k in keys_for_bar if k in metrics})
+            self._bar.set_postfix(self._shown, refresh=False)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:

@@ -51,6 +51,7 @@ from posttrain.models import (
     load_tokenizer,
     sequence_scores,
 )
+from posttrain.monitor import AlertConfig, EvalConfig, RunMonitor
 from posttrain.rewards import RewardComposer, RewardSpec, unpad
 from posttrain.rollout import ROLLOUT_ENGINES, SamplingParams
 from posttrain.trainers.checkpoint import save_checkpoint
@@ -69,6 +70,7 @@ from posttrain.trainers.loop import (
     build_optimizer,
     optimizer_step,
     save_final,
+    split_train_eval,
     start_run,
 )
 from posttrain.trainers.online import (
@@ -167,6 +169,10 @@ class PPOConfig:
     small models: the same distribution and log-probs, prompts prefilled once per group)."""
     max_unscored_steps: int = 3
     """Stop after this many steps in a row in which no reward function scored any sample (0 = never)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation (eval.path or data.eval_fraction) every run.eval_every steps and at the end."""
+    alerts: AlertConfig = field(default_factory=AlertConfig)
+    """Health alerts over the logged metrics: thresholds (console, progress bar, alerts.jsonl)."""
 
     def validate(self) -> None:
         validate_sections(self)
@@ -175,8 +181,6 @@ class PPOConfig:
             {
                 "model.device": PLACED_BY_ACCELERATE,
                 "reward_model.device": "use reward_device (the reward model is frozen, so it may live anywhere)",
-                "run.eval_every": "held-out evaluation is not implemented in ppo yet; leave it null",
-                "data.eval_fraction": "held-out evaluation is not implemented in ppo yet; leave it 0",
             },
         )
         if self.reward_model is None and not self.rewards:
@@ -214,6 +218,7 @@ class PPOTrainer:
         torch.manual_seed(config.run.seed)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
         self.prompts, report = load_prompts(config.data, self.tokenizer)
+        self.prompts, eval_prompts = split_train_eval(self.prompts, config.data.eval_fraction, config.run.seed)
         acc.print(f"[ppo] prompts: {report.summary()}")
         world = acc.num_processes
         prompts_per_step = config.run.batch_size // config.num_generations
@@ -282,6 +287,7 @@ class PPOTrainer:
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
         self.guard = NonFiniteGuard(acc, config.run)
         self.critic_guard = NonFiniteGuard(acc, config.run, model="critic")
+        self.monitor = RunMonitor(config, eval_prompts, self.tokenizer, self.accelerator, "score/mean", "score/std")
 
     # -- forward passes -----------------------------------------------------------------------------
 
@@ -534,8 +540,9 @@ class PPOTrainer:
                     self.kl_coef, kl_stats["kl/per_sequence"], cfg.kl_target, cfg.kl_horizon, cfg.run.batch_size
                 )
             write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
-            if done % cfg.run.log_every == 0 or done == self.total_steps:
-                logger.log(done, metrics, ("score/mean", "kl/per_sequence", "policy/clipfrac"))
+            metrics.update(self.monitor.after_step(self.engine, done, self.total_steps, metrics))
+            if done % cfg.run.log_every == 0 or done == self.total_steps or "time/eval" in metrics:
+                logger.log(done, metrics, ("score/mean", "kl/per_sequence", "policy/clipfrac", *self.monitor.bar_keys))
             logger.advance()
             if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
                 save_checkpoint(

@@ -1,0 +1,427 @@
+"""Health alerts: rules over the metrics a PPO/GRPO run logs, evaluated after every step.
+
+Each rule reads the history of logged records (one dict per step) and returns what it saw, or None.
+An alert is raised when its rule starts to hold (again after it stopped holding), printed to the
+console and written to ``alerts.jsonl`` with the likely causes and what to try. Those two sentences
+are the troubleshooting answers of the RLHF notes this project follows (KL too large or too small,
+ratios outside the clip range, value loss, length bias, rise-then-collapse, ...).
+
+Trend rules compare the first and second half of the last ``window`` steps and stay silent until
+that many steps are logged; level rules look at the current step (or the window mean, where one
+step is noise).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class AlertConfig:
+    """Thresholds of the health alerts (``alerts.<name>=...``)."""
+
+    enabled: bool = True
+    """Evaluate the rules after every step (console, progress bar, alerts.jsonl)."""
+    window: int = 10
+    """Steps a trend rule looks back over (the first and second half of them are compared)."""
+    kl_max: float = 0.5
+    """1: KL to the reference per token (nats) above this is too large."""
+    kl_rise: float = 0.1
+    """1: KL per token rising by more than this (nats) within the window is rising fast."""
+    kl_tiny: float = 1e-3
+    """2: KL per token below this over the whole window is tiny..."""
+    reward_flat: float = 0.05
+    """2: ...while the reward moved less than this many batch standard deviations over the window."""
+    clipfrac_max: float = 0.3
+    """3: mean clip fraction over the window above this."""
+    ratio_mean_tol: float = 0.2
+    """3: mean |ratio_mean − 1| over the window above this."""
+    first_ratio_tol: float = 0.02
+    """4: at the first minibatch (before any update) max |ratio − 1| above this: sampler and trainer disagree."""
+    explained_variance_min: float = 0.0
+    """5: mean explained variance of the values over the window below this (after the first window)."""
+    value_loss_growth: float = 3.0
+    """5: value loss in the second half of the window above this multiple of the first half's."""
+    length_growth: float = 0.2
+    """6: mean response length grew by more than this share over the window..."""
+    length_corr: float = 0.5
+    """6: ...and its correlation with the training reward across the window's steps is at least this."""
+    eval_drop: float = 0.05
+    """7: held-out score this far below its best while the training reward is above its value then."""
+    entropy_collapse: float = 0.1
+    """8: mean entropy over the window below this share of the first window's."""
+    zero_variance_max: float = 0.5
+    """9: mean share of groups whose rewards are all equal, over the window, above this."""
+    truncation_max: float = 0.2
+    """10: mean share of responses cut at max_new_tokens, over the window, above this."""
+
+    def validate(self, name: str = "alerts") -> None:
+        if self.window < 2:
+            raise ValueError(f"{name}.window must be >= 2, got {self.window}")
+        for key in ("zero_variance_max", "truncation_max", "entropy_collapse", "clipfrac_max"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"{name}.{key} must be in [0, 1], got {getattr(self, key)}")
+        if not -1 <= self.length_corr <= 1:
+            raise ValueError(f"{name}.length_corr must be in [-1, 1], got {self.length_corr}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: int
+    name: str
+    check: Callable[[list[dict], AlertConfig, dict], str | None]
+    causes: str
+    remedy: str
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers over the history of records
+# --------------------------------------------------------------------------------------------------
+
+
+def _series(history: list[dict], key: str) -> list[float]:
+    """Finite values of ``key`` in order (steps that did not log it are skipped)."""
+    return [float(r[key]) for r in history if r.get(key) is not None and math.isfinite(float(r[key]))]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _halves(values: list[float]) -> tuple[float, float]:
+    half = len(values) // 2
+    return _mean(values[:half]), _mean(values[half:])
+
+
+def pearson(x: list[float], y: list[float]) -> float:
+    """Pearson correlation of two equally long lists (0 when either is constant)."""
+    mx, my = _mean(x), _mean(y)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True))
+    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else 0.0
+
+
+def _last(history: list[dict], key: str, n: int) -> list[float]:
+    values = _series(history, key)
+    return values[-n:] if len(values) >= n else []
+
+
+# --------------------------------------------------------------------------------------------------
+# the rules
+# --------------------------------------------------------------------------------------------------
+
+
+def _kl_large(history, cfg, ctx):
+    kl = _series(history, "kl/per_token")
+    if not kl:
+        return None
+    if kl[-1] > cfg.kl_max:
+        return f"KL to the reference is {kl[-1]:.3g} nats/token (> {cfg.kl_max})"
+    window = kl[-cfg.window :]
+    if len(window) == cfg.window and window[-1] - min(window) > cfg.kl_rise:
+        return f"KL per token rose from {min(window):.3g} to {window[-1]:.3g} within {cfg.window} steps"
+    return None
+
+
+def _kl_tiny_reward_flat(history, cfg, ctx):
+    kl = _last(history, "kl/per_token", cfg.window)
+    reward = _last(history, ctx["reward"], cfg.window)
+    std = _last(history, ctx["reward_std"], cfg.window)
+    if not kl or not reward or not std or max(abs(v) for v in kl) >= cfg.kl_tiny:
+        return None
+    first, second = _halves(reward)
+    scale = max(_mean(std), 1e-8)
+    if abs(second - first) < cfg.reward_flat * scale:
+        return (
+            f"KL per token stayed below {cfg.kl_tiny} and the reward moved {second - first:+.3g} "
+            f"({(second - first) / scale:+.2f} batch std) over {cfg.window} steps"
+        )
+    return None
+
+
+def _clipping(history, cfg, ctx):
+    clipfrac = _last(history, "policy/clipfrac", cfg.window)
+    ratio = _last(history, "policy/ratio_mean", cfg.window)
+    if clipfrac and _mean(clipfrac) > cfg.clipfrac_max:
+        return f"clip fraction {_mean(clipfrac):.2f} on average over {cfg.window} steps (> {cfg.clipfrac_max})"
+    if ratio and _mean([abs(r - 1) for r in ratio]) > cfg.ratio_mean_tol:
+        return f"mean ratio π/π_old is {ratio[-1]:.3g}, on average {cfg.ratio_mean_tol}+ away from 1"
+    return None
+
+
+def _first_ratio(history, cfg, ctx):
+    record = history[-1]
+    high, low = record.get("policy/first_minibatch_ratio_max"), record.get("policy/first_minibatch_ratio_min")
+    if high is None or low is None:
+        return None
+    off = max(abs(high - 1), abs(low - 1))
+    if not off <= cfg.first_ratio_tol:  # NaN counts as off
+        return f"before any update the ratio π/π_old spans [{low:.4g}, {high:.4g}] (should be exactly 1)"
+    return None
+
+
+def _critic(history, cfg, ctx):
+    explained = _series(history, "values/explained_variance")
+    loss = _last(history, "value_loss", cfg.window)
+    if len(explained) >= 2 * cfg.window and _mean(explained[-cfg.window :]) < cfg.explained_variance_min:
+        return f"explained variance of the values is {_mean(explained[-cfg.window :]):.3g} over {cfg.window} steps"
+    if loss:
+        first, second = _halves(loss)
+        if second > cfg.value_loss_growth * first:
+            return f"value loss grew from {first:.3g} to {second:.3g} within {cfg.window} steps"
+    return None
+
+
+def _length_bias(history, cfg, ctx):
+    rows = [
+        r
+        for r in history
+        if r.get("response_length/mean") is not None
+        and r.get(ctx["reward"]) is not None
+        and math.isfinite(r[ctx["reward"]])
+    ][-cfg.window :]
+    if len(rows) < cfg.window:
+        return None
+    length = [r["response_length/mean"] for r in rows]
+    reward = [r[ctx["reward"]] for r in rows]
+    first, second = _halves(length)
+    growth = (second - first) / max(first, 1e-8)
+    corr = pearson(length, reward)
+    if growth > cfg.length_growth and corr >= cfg.length_corr:
+        return (
+            f"mean response length grew {growth:+.0%} ({first:.3g} → {second:.3g} tokens) over {cfg.window} steps, "
+            f"correlation with the reward {corr:.2f}"
+        )
+    return None
+
+
+def _rise_then_collapse(history, cfg, ctx):
+    key = next((k for k in ("eval/greedy/score", "eval/sampled/score") if _series(history, k)), None)
+    if key is None:
+        return None
+    evals = [(i, r[key]) for i, r in enumerate(history) if r.get(key) is not None and math.isfinite(r[key])]
+    best_index, best = max(evals, key=lambda e: e[1])
+    now_index, now = evals[-1]
+    if now_index == best_index or best - now < cfg.eval_drop:
+        return None
+    then = _series(history[max(0, best_index - cfg.window // 2) : best_index + 1], ctx["reward"])
+    recent = _series(history[max(0, now_index - cfg.window // 2) : now_index + 1], ctx["reward"])
+    if not then or not recent or _mean(recent) <= _mean(then):
+        return None
+    return (
+        f"held-out {key.split('/')[1]} score fell from {best:.3g} (step {history[best_index]['step']}) to {now:.3g} "
+        f"while the training reward rose from {_mean(then):.3g} to {_mean(recent):.3g}"
+    )
+
+
+def _entropy_collapse(history, cfg, ctx):
+    entropy = _series(history, "entropy")
+    if len(entropy) < 2 * cfg.window:
+        return None
+    start, now = _mean(entropy[: cfg.window]), _mean(entropy[-cfg.window :])
+    if now < cfg.entropy_collapse * start:
+        return f"entropy per token fell from {start:.3g} to {now:.3g} nats ({now / max(start, 1e-12):.0%})"
+    return None
+
+
+def _zero_variance(history, cfg, ctx):
+    share = _last(history, "groups/zero_variance_share", cfg.window)
+    if share and _mean(share) > cfg.zero_variance_max:
+        return f"{_mean(share):.0%} of the groups had all-equal rewards (zero advantage) over {cfg.window} steps"
+    return None
+
+
+def _truncation(history, cfg, ctx):
+    share = _last(history, "truncated_share", cfg.window)
+    if ctx["forced_length"] or not share or _mean(share) <= cfg.truncation_max:
+        return None
+    return f"{_mean(share):.0%} of the responses hit max_new_tokens without EOS over {cfg.window} steps"
+
+
+NON_FINITE_KEYS = ("policy/loss", "policy/pg_loss", "grad_norm", "critic_grad_norm", "value_loss")
+
+
+def _non_finite(history, cfg, ctx):
+    record = history[-1]
+    bad = [
+        k
+        for k in (*NON_FINITE_KEYS, ctx["reward"])
+        if k in record and (record[k] is None or not math.isfinite(float(record[k])))
+    ]
+    if bad:
+        return "non-finite " + ", ".join(f"{k}={record[k]}" for k in bad)
+    return None
+
+
+RULES = (
+    Rule(
+        1,
+        "kl_large",
+        _kl_large,
+        "the policy has moved far from the reference: kl_coef too small, learning rate too high or too many "
+        "updates per batch, and it may be over-optimising the reward where the reward model is not trusted.",
+        "raise kl_coef (or use adaptive_kl), lower the learning rate, or do fewer PPO epochs / GRPO "
+        "iterations per batch.",
+    ),
+    Rule(
+        2,
+        "kl_tiny_reward_flat",
+        _kl_tiny_reward_flat,
+        "the policy barely moves: kl_coef too large, learning rate too low, advantages too small, or a reward "
+        "that does not tell good responses from bad ones.",
+        "lower kl_coef, raise the learning rate, check the advantages' scale and that the reward separates samples.",
+    ),
+    Rule(
+        3,
+        "clipping",
+        _clipping,
+        "updates too large or stale: learning rate too high, too many epochs per batch, advantages too large, "
+        "or old log-probs that do not match the sampled tokens.",
+        "lower the learning rate or ppo_epochs/num_iterations, use more minibatches, whiten the advantages, "
+        "and check the old log-probs.",
+    ),
+    Rule(
+        4,
+        "first_minibatch_ratio",
+        _first_ratio,
+        "the sampler and the training forward give different log-probs for the same tokens (temperature, "
+        "top-p/top-k, dropout, padding or position ids, precision, another engine): a bug, not tuning.",
+        "compute training log-probs at the sampling temperature with dropout off and the same masks, or "
+        "recompute old log-probs with the training forward; PPO clipping is wrong until this is fixed.",
+    ),
+    Rule(
+        5,
+        "critic",
+        _critic,
+        "the critic does not predict the returns: reward scale, the returns computation, masks or the terminal "
+        "position, the value-head initialisation, the critic learning rate or the value-loss coefficient.",
+        "check the reward scale (whiten_rewards, reward_clip), masks and where the score lands, start the critic "
+        "from the reward model, and tune critic_lr or vf_coef.",
+    ),
+    Rule(
+        6,
+        "length_bias",
+        _length_bias,
+        "the reward prefers longer responses, so the policy learns to be longer rather than better "
+        "(length bias, a form of reward hacking).",
+        "add a length penalty or length normalisation, raise kl_coef, calibrate the reward model on "
+        "length-controlled pairs, and judge quality with an independent evaluation.",
+    ),
+    Rule(
+        7,
+        "reward_up_heldout_down",
+        _rise_then_collapse,
+        "the policy over-optimises the training reward (reward hacking, or drifting out of the region where "
+        "the reward model is trustworthy) instead of getting better at the task.",
+        "keep the best checkpoint and stop earlier, raise kl_coef, lower the learning rate, and prefer "
+        "verifiable or ensemble rewards checked by metrics the optimiser never sees.",
+    ),
+    Rule(
+        8,
+        "entropy_collapse",
+        _entropy_collapse,
+        "the policy collapsed onto a few outputs (too little KL, too high a learning rate or too low a "
+        "sampling temperature), so exploration has stopped.",
+        "raise kl_coef or the sampling temperature, lower the learning rate, or add an entropy bonus "
+        "(entropy_coef) or clip-higher (clip_high).",
+    ),
+    Rule(
+        9,
+        "zero_variance_groups",
+        _zero_variance,
+        "most groups score every response the same (all right or all wrong), so their advantages are 0 and "
+        "they carry no signal: prompts too easy or too hard for the model, or a reward too coarse.",
+        "use dynamic_sampling, more num_generations, prompts of a better-matched difficulty, or a "
+        "finer-grained reward.",
+    ),
+    Rule(
+        10,
+        "truncation",
+        _truncation,
+        "many responses hit max_new_tokens without EOS: the budget is too small for the task, the policy "
+        "learned to ramble, or EOS is not handled.",
+        "raise sampling.max_new_tokens, add missing_eos_penalty or the overlong penalty (or mask_truncated), "
+        "and check the EOS ids.",
+    ),
+    Rule(
+        11,
+        "non_finite",
+        _non_finite,
+        "NaN or inf in the loss, gradient or reward: a near-zero std in constant groups, exp overflow at "
+        "padding, fp16 overflow, or a reward function returning inf.",
+        "check the reward values and the advantage normalisation, lower the learning rate, train in bf16 or "
+        "fp32, and read the step's samples.",
+    ),
+)
+
+
+class HealthMonitor:
+    """Runs the rules after every logged step; ``check`` returns the alerts raised at that step.
+
+    reward / reward_std: the keys of the training reward and its batch std (GRPO ``reward/*``; PPO
+    ``score/*``, since PPO's ``reward/mean`` includes the KL penalty). forced_length: every response
+    is cut at max_new_tokens by design (min_new_tokens = max_new_tokens), so truncation is no signal.
+    """
+
+    def __init__(
+        self,
+        config: AlertConfig,
+        output_dir: str | Path | None,
+        reward: str,
+        reward_std: str,
+        forced_length: bool = False,
+        echo: Callable[[str], None] = print,
+    ):
+        self.config = config
+        self.path = None if output_dir is None else Path(output_dir) / "alerts.jsonl"
+        self.context = {"reward": reward, "reward_std": reward_std, "forced_length": forced_length}
+        self.echo = echo
+        self.history: list[dict] = []
+        self.active: set[int] = set()
+        self.raised = 0
+
+    def check(self, step: int, metrics: dict) -> list[dict]:
+        """Add this step's metrics to the history; return (and record) the alerts that start now."""
+        if not self.config.enabled:
+            return []
+        self.history.append({"step": step, **metrics})
+        alerts = []
+        for rule in RULES:
+            seen = rule.check(self.history, self.config, self.context)
+            if seen is None:
+                self.active.discard(rule.id)
+                continue
+            if rule.id in self.active:
+                continue
+            self.active.add(rule.id)
+            alerts.append(
+                {"step": step, "id": rule.id, "name": rule.name, "seen": seen, "causes": rule.causes}
+                | {"remedy": rule.remedy}
+            )
+        self.raised += len(alerts)
+        for alert in alerts:
+            self.echo(format_alert(alert))
+        if alerts and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(a) + "\n" for a in alerts)
+        return alerts
+
+
+def format_alert(alert: dict) -> str:
+    return (
+        f"[alert {alert['id']} {alert['name']}] step {alert['step']}: {alert['seen']}\n"
+        f"    likely causes: {alert['causes']}\n    try: {alert['remedy']}"
+    )
+
+
+def read_alerts(output_dir: str | Path) -> list[dict]:
+    """The alerts a run recorded (empty when none)."""
+    path = Path(output_dir) / "alerts.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,274 @@
+"""Held-out evaluation of a policy: generate for prompts the optimiser never sees and score the
+completions with reward functions it never optimises against (by default the training rewards).
+
+Two passes, each optional:
+  - greedy: one completion per prompt at temperature 0 → ``accuracy`` (share of prompts whose
+    completion scores ≥ ``correct_threshold``), mean score, mean score per function, mean length,
+    truncation share;
+  - sampled: ``n`` completions per prompt at ``temperature`` → the same means, and pass@k for each k,
+    with the unbiased estimator of Chen et al. 2021 (``pass_at_k``).
+
+PPO and GRPO call ``Evaluator.evaluate`` every ``run.eval_every`` steps and at the end (metrics
+``eval/greedy/*``, ``eval/sampled/*``; rows in ``eval_samples.jsonl``); ``posttrain eval`` runs it on
+any checkpoint (``evaluate_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from posttrain.data import DataConfig, PromptExample, load_prompts
+from posttrain.models import ModelConfig, load_policy, load_tokenizer
+from posttrain.rewards import RewardComposer, RewardSpec
+from posttrain.rollout import HFEngine, SamplingParams
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` are correct (Chen et al. 2021, eq. 1):
+
+        pass@k = 1 − C(n − c, k) / C(n, k)
+
+    the probability that at least one of k samples drawn without replacement from the n is correct.
+    Exact integer binomials (n is small in evaluation), so no product-form rounding.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during PPO/GRPO (every ``run.eval_every`` steps and at the end) and in ``posttrain eval``."""
+
+    path: str | None = None
+    """Held-out prompt rows (same schema and template settings as ``data``); null = ``data.eval_fraction``
+    of the prompts, and no evaluation when that is 0."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Reward functions for evaluation only (e.g. an exact-match check, another reward model); empty =
+    the training rewards."""
+    greedy: bool = True
+    """One greedy completion per prompt: accuracy and mean scores at temperature 0."""
+    n: int = 0
+    """Completions sampled per prompt at ``temperature`` for pass@k (0 = no sampled pass)."""
+    k: list[int] = field(default_factory=list)
+    """pass@k for each k (each ≤ n); empty = k ∈ {1, n}."""
+    temperature: float = 1.0
+    """Temperature of the sampled pass."""
+    max_new_tokens: int | None = None
+    """Most tokens per completion; null = the training ``sampling.max_new_tokens``."""
+    correct_threshold: float = 1.0
+    """A completion is correct (accuracy, pass@k) when its total evaluation score is ≥ this."""
+    max_prompts: int | None = None
+    """Evaluate on at most this many held-out prompts (the first ones); null = all."""
+    batch_size: int = 64
+    """Prompts per generate call."""
+    seed: int = 0
+    """Seed of the sampled pass: the same samples for the same weights, and the training RNG untouched."""
+
+    def validate(self, name: str = "eval") -> None:
+        if self.n < 0:
+            raise ValueError(f"{name}.n must be >= 0, got {self.n}")
+        if not self.greedy and self.n == 0:
+            raise ValueError(f"{name}: greedy=false and n=0 leave nothing to evaluate")
+        for k in self.k:
+            if not 1 <= k <= self.n:
+                raise ValueError(f"{name}.k: every k must be in [1, n={self.n}], got {k}")
+        if self.temperature <= 0 and self.n > 0:
+            raise ValueError(f"{name}.temperature must be > 0 for the sampled pass (greedy is separate)")
+        for key in ("max_new_tokens", "max_prompts"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}.{key} must be >= 1 or null, got {value}")
+        if self.batch_size < 1:
+            raise ValueError(f"{name}.batch_size must be >= 1, got {self.batch_size}")
+        for i, spec in enumerate(self.rewards):
+            spec.validate(f"{name}.rewards[{i}]")
+
+    @property
+    def ks(self) -> list[int]:
+        return sorted(set(self.k or ([1, self.n] if self.n else [])))
+
+
+class Evaluator:
+    """Evaluates a policy (through a rollout engine) on fixed held-out prompts."""
+
+    def __init__(
+        self,
+        config: EvalConfig,
+        prompts: list[PromptExample],
+        rewards: RewardComposer,
+        sampling: SamplingParams,
+        output_dir: str | Path | None = None,
+        accelerator=None,
+    ):
+        self.config = config
+        self.prompts = prompts[: config.max_prompts] if config.max_prompts else prompts
+        self.rewards = rewards
+        self.sampling = replace(sampling, max_new_tokens=config.max_new_tokens or sampling.max_new_tokens)
+        self.output_dir = None if output_dir is None else Path(output_dir)
+        self.accelerator = accelerator
+
+    @classmethod
+    def for_training(cls, config, eval_prompts: list[PromptExample], tokenizer, accelerator) -> Evaluator | None:
+        """The evaluator of a PPO/GRPO run: ``config.eval.path`` when set, else ``eval_prompts`` (the
+        ``data.eval_fraction`` split); None when there is nothing to evaluate on."""
+        if config.eval.path:
+            eval_prompts, report = load_prompts(replace(config.data, path=config.eval.path), tokenizer)
+            accelerator.print(f"[eval] held-out prompts: {report.summary()}")
+        if not eval_prompts:
+            return None
+        rewards = RewardComposer.from_specs(config.eval.rewards or config.rewards)
+        return cls(config.eval, eval_prompts, rewards, config.sampling, config.run.output_dir, accelerator)
+
+    def due(self, step: int, total_steps: int, every: int | None) -> bool:
+        """Every ``every`` steps and at the last one."""
+        return step == total_steps or bool(every and step % every == 0)
+
+    def evaluate(self, engine, step: int) -> dict[str, float]:
+        """``eval/...`` metrics of the policy behind ``engine``; every process returns the same numbers."""
+        cfg, records = self.config, []
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):  # the training RNG continues as if no evaluation ran
+            if cfg.greedy:
+                records += self._generate(engine, replace(self.sampling, temperature=0.0), 1, "greedy", step)
+            if cfg.n:
+                torch.manual_seed(cfg.seed)
+                params = replace(self.sampling, temperature=cfg.temperature)
+                records += self._generate(engine, params, cfg.n, "sampled", step)
+        records = self._gather(records)
+        self._write(records)
+        return summarize(records, cfg.ks)
+
+    def _generate(self, engine, params: SamplingParams, n: int, mode: str, step: int) -> list[dict]:
+        rank, world = (
+            (0, 1) if self.accelerator is None else (self.accelerator.process_index, self.accelerator.num_processes)
+        )
+        indices = list(range(len(self.prompts)))[rank::world]
+        records = []
+        for start in range(0, len(indices), self.config.batch_size):
+            chunk = indices[start : start + self.config.batch_size]
+            prompts = [self.prompts[i] for i in chunk]
+            rollout = engine.generate([p.prompt_ids for p in prompts], params, n=n)
+            keys = sorted({k for p in prompts for k in p.columns})
+            columns = {k: [p.columns.get(k) for p in prompts for _ in range(n)] for k in keys}
+            out = self.rewards(rollout.prompts, rollout.responses, columns)
+            for row in range(len(rollout)):
+                score = float(out.total[row])
+                records.append(
+                    {
+                        "step": step,
+                        "mode": mode,
+                        "prompt_index": chunk[row // n],
+                        "prompt": rollout.prompts[row],
+                        "completion": rollout.responses[row],
+                        "score": None if math.isnan(score) else score,
+                        "rewards": {name: values[row] for name, values in out.components.items()},
+                        "correct": not math.isnan(score) and score >= self.config.correct_threshold,
+                        "length": int(rollout.response_lengths[row]),
+                        "truncated": bool(rollout.truncated[row]),
+                    }
+                )
+        return records
+
+    def _gather(self, records: list[dict]) -> list[dict]:
+        if self.accelerator is None or self.accelerator.num_processes == 1:
+            return records
+        from accelerate.utils import gather_object
+
+        return sorted(gather_object(records), key=lambda r: (r["mode"], r["prompt_index"]))
+
+    def _write(self, records: list[dict]) -> None:
+        if self.output_dir is None or (self.accelerator is not None and not self.accelerator.is_main_process):
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.output_dir / "eval_samples.jsonl", "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def summarize(records: list[dict], ks: list[int]) -> dict[str, float]:
+    """``eval/{greedy,sampled}/...`` metrics from the per-completion records of one evaluation."""
+    out: dict[str, float] = {}
+    for mode in ("greedy", "sampled"):
+        rows = [r for r in records if r["mode"] == mode]
+        if not rows:
+            continue
+        prefix = f"eval/{mode}/"
+        scores = [r["score"] for r in rows if r["score"] is not None]
+        out[prefix + "score"] = sum(scores) / len(scores) if scores else math.nan
+        for name in rows[0]["rewards"]:
+            values = [r["rewards"][name] for r in rows if r["rewards"][name] is not None]
+            out[prefix + f"reward/{name}"] = sum(values) / len(values) if values else math.nan
+        out[prefix + "accuracy"] = sum(r["correct"] for r in rows) / len(rows)
+        out[prefix + "length"] = sum(r["length"] for r in rows) / len(rows)
+        out[prefix + "truncated_share"] = sum(r["truncated"] for r in rows) / len(rows)
+        if mode == "sampled":
+            per_prompt: dict[int, list[bool]] = {}
+            for r in rows:
+                per_prompt.setdefault(r["prompt_index"], []).append(r["correct"])
+            for k in ks:
+                values = [pass_at_k(len(c), sum(c), k) for c in per_prompt.values()]
+                out[prefix + f"pass@{k}"] = sum(values) / len(values)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# posttrain eval
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalRunConfig:
+    """posttrain eval: a checkpoint (full model or LoRA adapter) on a prompt file."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy to evaluate: a model folder, a hub id, or a peft adapter folder."""
+    data: DataConfig = field(default_factory=lambda: DataConfig(max_length=None, max_prompt_length=512))
+    """Prompt rows {"prompt", ...}; the other columns go to the reward functions."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Reward functions that score the completions (a reward model: posttrain.rewards.model:reward_model)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Greedy and/or sampled passes, k, temperature, threshold."""
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=256))
+    """Sampling settings besides the temperature (max_new_tokens, top_p, top_k, stops)."""
+    output_dir: str | None = None
+    """Folder for eval_summary.json and eval_samples.jsonl; null = print only."""
+
+    def validate(self) -> None:
+        self.model.validate("model")
+        self.data.validate("data")
+        self.eval.validate("eval")
+        self.sampling.validate("sampling")
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward function is needed (--rewards or --reward-model)")
+        for i, spec in enumerate(self.rewards):
+            spec.validate(f"rewards[{i}]")
+
+
+def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
+    """Evaluate ``config.model`` on ``config.data``; returns the ``eval/...`` metrics (and writes them
+    to ``output_dir`` when set)."""
+    config.validate()
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+    prompts, _ = load_prompts(config.data, tokenizer)
+    model = load_policy(config.model)
+    evaluator = Evaluator(
+        config.eval, prompts, RewardComposer.from_specs(config.rewards), config.sampling, config.output_dir
+    )
+    metrics = evaluator.evaluate(HFEngine(model, tokenizer), step=0)
+    metrics["eval/prompts"] = len(evaluator.prompts)
+    if config.output_dir:
+        (Path(config.output_dir) / "eval_summary.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def format_table(metrics: dict[str, float]) -> str:
+    """The metrics as a two-column text table."""
+    width = max(len(k) for k in metrics)
+    return "\n".join(
+        f"{k.ljust(width)}  {v:.4f}" if isinstance(v, float) else f"{k.ljust(width)}  {v}" for k, v in metrics.items()
+    )

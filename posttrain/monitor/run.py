@@ -1,0 +1,59 @@
+"""What PPO and GRPO call once per step: held-out evaluation when due, then the health alerts."""
+
+from __future__ import annotations
+
+import time
+
+from posttrain.data import PromptExample
+from posttrain.monitor.alerts import HealthMonitor
+from posttrain.monitor.evaluate import Evaluator
+
+
+class RunMonitor:
+    """Held-out evaluation (``config.eval``, every ``run.eval_every`` steps and at the end) and health
+    alerts (``config.alerts``) of one online run.
+
+    reward / reward_std name the training reward's metrics (see ``HealthMonitor``). On resume the
+    alert history starts empty: trend rules wait a window again.
+    """
+
+    def __init__(self, config, eval_prompts: list[PromptExample], tokenizer, accelerator, reward: str, reward_std: str):
+        if config.eval.path and config.data.eval_fraction > 0:
+            raise ValueError("set eval.path or data.eval_fraction, not both (both name the held-out prompts)")
+        self.every = config.run.eval_every
+        self.evaluator = Evaluator.for_training(config, eval_prompts, tokenizer, accelerator)
+        self.health = None
+        if accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            sampling = config.sampling
+            self.health = HealthMonitor(
+                config.alerts,
+                config.run.output_dir,
+                reward,
+                reward_std,
+                forced_length=sampling.min_new_tokens >= sampling.max_new_tokens,
+                echo=tqdm.write,  # above the progress bar, not through it
+            )
+
+    @property
+    def bar_keys(self) -> tuple[str, ...]:
+        """Metrics for the progress bar: the held-out accuracy when evaluating, and the alert count."""
+        keys = ("alerts",)
+        if self.evaluator is not None:
+            mode = "greedy" if self.evaluator.config.greedy else "sampled"
+            keys = (f"eval/{mode}/accuracy", *keys)
+        return keys
+
+    def after_step(self, engine, step: int, total_steps: int, metrics: dict) -> dict[str, float]:
+        """The metrics to add to this step's record: ``eval/*`` and ``time/eval`` when an evaluation
+        was due, and ``alerts`` (alerts raised so far) on the main process."""
+        out: dict[str, float] = {}
+        if self.evaluator is not None and self.evaluator.due(step, total_steps, self.every):
+            start = time.perf_counter()
+            out.update(self.evaluator.evaluate(engine, step))
+            out["time/eval"] = time.perf_counter() - start
+        if self.health is not None:
+            self.health.check(step, {**metrics, **out})
+            out["alerts"] = self.health.raised
+        return out

@@ -1,0 +1,481 @@
+"""posttrain.monitor: pass@k, held-out evaluation during GRPO/PPO and in ``posttrain eval``, health alerts
+(rules on synthetic metric streams, and short real runs that must raise them), and the HTML report."""
+
+import itertools
+import json
+import math
+from dataclasses import replace
+
+import pytest
+from conftest import write_jsonl
+
+from posttrain.monitor.alerts import RULES, AlertConfig, HealthMonitor, pearson, read_alerts
+from posttrain.monitor.evaluate import pass_at_k, summarize
+from posttrain.trainers.config import load_config
+from posttrain.trainers.grpo import GRPOConfig
+from posttrain.trainers.grpo import train as train_grpo
+from posttrain.trainers.metrics import read_metrics
+from posttrain.trainers.ppo import PPOConfig
+from posttrain.trainers.ppo import train as train_ppo
+
+EXACT = "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]"
+HELD_OUT = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+
+# --------------------------------------------------------------------------------------------------
+# pass@k
+# --------------------------------------------------------------------------------------------------
+
+
+def _brute_force_pass_at_k(n: int, c: int, k: int) -> float:
+    """Share of the k-subsets of n samples (the first c correct) that hold at least one correct sample."""
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(i < c for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_equals_brute_force_over_subsets():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(_brute_force_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_hand_values_and_range_checks():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)  # pass@1 is the share correct
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 − C(3,2)/C(4,2)
+    assert pass_at_k(8, 0, 8) == 0.0 and pass_at_k(8, 1, 8) == 1.0
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(4, 1, 5)
+
+
+def test_summarize_greedy_accuracy_pass_at_k_length_and_truncation():
+    def row(mode, prompt, correct, length=3, truncated=False):
+        score = 1.0 if correct else 0.0
+        return {
+            "mode": mode,
+            "prompt_index": prompt,
+            "score": score,
+            "rewards": {"exact": score},
+            "correct": correct,
+            "length": length,
+            "truncated": truncated,
+        }
+
+    records = [row("greedy", 0, True, 2), row("greedy", 1, False, 4, True)]
+    records += [row("sampled", 0, c) for c in (True, False, False, False)]  # c = 1 of n = 4
+    records += [row("sampled", 1, c) for c in (True, True, False, False)]  # c = 2 of n = 4
+    out = summarize(records, [1, 2, 4])
+    assert out["eval/greedy/accuracy"] == 0.5 and out["eval/greedy/reward/exact"] == 0.5
+    assert out["eval/greedy/length"] == 3.0 and out["eval/greedy/truncated_share"] == 0.5
+    assert out["eval/sampled/pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
+    assert out["eval/sampled/pass@2"] == pytest.approx(((1 - 3 / 6) + (1 - 1 / 6)) / 2)
+    assert out["eval/sampled/pass@4"] == 1.0
+
+
+# --------------------------------------------------------------------------------------------------
+# alert rules on synthetic metric streams
+# --------------------------------------------------------------------------------------------------
+
+
+def _monitor(tmp_path=None, **thresholds):
+    seen = []
+    monitor = HealthMonitor(
+        AlertConfig(window=4, **thresholds), tmp_path, "reward/mean", "reward/std", echo=seen.append
+    )
+    return monitor, seen
+
+
+def _stream(records, tmp_path=None, **thresholds) -> list[int]:
+    """Feed records (one per step) to a monitor; the alert ids raised, in order."""
+    monitor, _ = _monitor(tmp_path, **thresholds)
+    return [a["id"] for step, r in enumerate(records, 1) for a in monitor.check(step, r)]
+
+
+BASE = {
+    "reward/mean": 0.5,
+    "reward/std": 0.5,
+    "kl/per_token": 0.01,
+    "policy/clipfrac": 0.02,
+    "policy/ratio_mean": 1.0,
+    "policy/first_minibatch_ratio_max": 1.0,
+    "policy/first_minibatch_ratio_min": 1.0,
+    "response_length/mean": 20.0,
+    "entropy": 1.0,
+    "groups/zero_variance_share": 0.1,
+    "truncated_share": 0.0,
+    "policy/loss": 0.1,
+    "grad_norm": 1.0,
+}
+
+
+def _healthy(steps=12):
+    return [{**BASE, "reward/mean": 0.5 + 0.01 * i, "kl/per_token": 0.01 + 0.001 * i} for i in range(steps)]
+
+
+def test_healthy_stream_raises_nothing():
+    assert _stream(_healthy()) == []
+
+
+@pytest.mark.parametrize(
+    "rule_id, change",
+    [
+        (1, lambda i, r: {"kl/per_token": 0.9 if i == 6 else r["kl/per_token"]}),  # too large
+        (1, lambda i, r: {"kl/per_token": 0.01 + 0.05 * i}),  # rising fast: +0.15 within 4 steps
+        (2, lambda i, r: {"kl/per_token": 1e-5, "reward/mean": 0.5}),  # tiny KL, flat reward
+        (3, lambda i, r: {"policy/clipfrac": 0.5}),
+        (3, lambda i, r: {"policy/ratio_mean": 1.5}),
+        (4, lambda i, r: {"policy/first_minibatch_ratio_max": 1.3} if i == 0 else {}),
+        (5, lambda i, r: {"values/explained_variance": -0.5, "value_loss": 1.0}),
+        (5, lambda i, r: {"values/explained_variance": 0.5, "value_loss": 1.0 * 2**i}),
+        (6, lambda i, r: {"response_length/mean": 20.0 + 5 * i}),  # reward rises with it
+        (8, lambda i, r: {"entropy": 1.0 if i < 4 else 0.05}),
+        (9, lambda i, r: {"groups/zero_variance_share": 0.8}),
+        (10, lambda i, r: {"truncated_share": 0.5}),
+        (11, lambda i, r: {"grad_norm": math.nan} if i == 5 else {}),
+        (11, lambda i, r: {"reward/mean": math.inf} if i == 5 else {}),
+    ],
+)
+def test_each_rule_fires_on_its_pattern_and_only_once_while_it_holds(rule_id, change):
+    records = [{**r, **change(i, r)} for i, r in enumerate(_healthy())]
+    raised = _stream(records)
+    assert rule_id in raised, raised
+    assert raised.count(rule_id) == 1  # raised at onset, not at every step it holds
+
+
+def test_length_rule_needs_the_correlation_with_reward():
+    longer_but_worse = [
+        {**r, "response_length/mean": 20.0 + 5 * i, "reward/mean": 1.0 - 0.05 * i} for i, r in enumerate(_healthy())
+    ]
+    assert 6 not in _stream(longer_but_worse)
+    assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0) and pearson([1, 2, 3], [1, 1, 1]) == 0.0
+
+
+def test_rise_then_collapse_needs_eval_down_and_training_reward_up(tmp_path):
+    def with_eval(eval_scores, reward_slope):
+        records = []
+        for i, r in enumerate(_healthy()):
+            r = {**r, "reward/mean": 0.5 + reward_slope * i}
+            if i % 3 == 2:
+                r["eval/greedy/score"] = eval_scores[i // 3]
+            records.append(r)
+        return records
+
+    assert 7 in _stream(with_eval([0.78, 0.80, 0.74, 0.69], 0.02))  # the issue's 78% → 69% with reward up
+    assert 7 not in _stream(with_eval([0.78, 0.80, 0.74, 0.69], -0.02))  # both down: no hacking signal
+    assert 7 not in _stream(with_eval([0.70, 0.74, 0.78, 0.80], 0.02))
+
+
+def test_truncation_rule_is_silent_when_length_is_forced():
+    records = [{**r, "truncated_share": 1.0} for r in _healthy()]
+    monitor = HealthMonitor(AlertConfig(window=4), None, "reward/mean", "reward/std", True, echo=lambda s: None)
+    assert all(monitor.check(i, r) == [] for i, r in enumerate(records, 1))
+
+
+def test_alerts_go_to_console_and_jsonl_with_what_was_seen_causes_and_remedy(tmp_path):
+    monitor, seen = _monitor(tmp_path)
+    monitor.check(1, {**BASE, "policy/first_minibatch_ratio_max": 1.5})
+    (alert,) = read_alerts(tmp_path)
+    assert alert["id"] == 4 and alert["step"] == 1 and "1.5" in alert["seen"]
+    assert alert["causes"] and alert["remedy"] and "[alert 4" in seen[0] and alert["remedy"] in seen[0]
+    assert len({r.id for r in RULES}) == 11 and all(r.causes.endswith(".") and r.remedy.endswith(".") for r in RULES)
+
+
+# --------------------------------------------------------------------------------------------------
+# real runs: evaluation wiring, `posttrain eval`, and the alerts the issue asks for
+# --------------------------------------------------------------------------------------------------
+
+
+def _grpo(noisy_sft, out, *overrides):
+    base = [
+        f"model.path={noisy_sft['policy']}",
+        f"data.path={noisy_sft['prompts']}",
+        "data.chat_template=never",
+        f"run.output_dir={out}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        EXACT,
+        "sampling.max_new_tokens=4",
+        "num_generations=8",
+        "run.batch_size=64",
+        "run.micro_batch_size=64",
+        "optim.lr=5e-4",
+        "kl_coef=0",
+        "num_iterations=2",
+    ]
+    return load_config(GRPOConfig, None, base + list(overrides))
+
+
+@pytest.fixture(scope="module")
+def healthy_grpo(noisy_sft, tmp_path_factory):
+    """The demo's GRPO settings for 10 steps, with 20% of the prompts held out and evaluated every 4
+    steps (greedy, and 4 samples for pass@k)."""
+    out = tmp_path_factory.mktemp("healthy_grpo")
+    config = _grpo(
+        noisy_sft,
+        out,
+        "run.max_steps=10",
+        "run.eval_every=4",
+        "data.eval_fraction=0.2",
+        "eval.n=4",
+        "eval.k=[1,4]",
+        "alerts.window=4",
+    )
+    train_grpo(config)
+    return out
+
+
+def test_grpo_evaluates_held_out_prompts_every_eval_every_steps_and_at_the_end(healthy_grpo, noisy_sft):
+    records = read_metrics(healthy_grpo)
+    evaluated = [r["step"] for r in records if "eval/greedy/accuracy" in r]
+    assert evaluated == [4, 8, 10]
+    rows = [json.loads(line) for line in (healthy_grpo / "eval_samples.jsonl").read_text().splitlines()]
+    held_out = round(0.2 * 300)
+    assert len(rows) == 3 * (held_out + 4 * held_out)  # 3 evaluations × (greedy + 4 samples) per prompt
+    last = [r for r in rows if r["step"] == 10]
+    greedy = [r for r in last if r["mode"] == "greedy"]
+    assert records[-1]["eval/greedy/accuracy"] == pytest.approx(sum(r["correct"] for r in greedy) / len(greedy))
+    assert 0 <= records[-1]["eval/sampled/pass@1"] <= records[-1]["eval/sampled/pass@4"] <= 1
+    assert all("time/eval" in r for r in records if r["step"] in evaluated)
+
+
+def test_held_out_prompts_are_split_off_the_training_prompts(noisy_sft, tmp_path):
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    trainer = GRPOTrainer(_grpo(noisy_sft, tmp_path, "data.eval_fraction=0.2", "run.max_steps=1"))
+    held_out = trainer.monitor.evaluator.prompts
+    assert len(trainer.prompts) == 240 and len(held_out) == 60
+    assert not {id(p) for p in trainer.prompts} & {id(p) for p in held_out}  # the sampler never sees them
+    with pytest.raises(ValueError, match="eval.path or data.eval_fraction"):
+        GRPOTrainer(_grpo(noisy_sft, tmp_path, "data.eval_fraction=0.2", f"eval.path={noisy_sft['prompts']}"))
+
+
+def test_healthy_demo_like_grpo_raises_no_alert(healthy_grpo):
+    assert read_alerts(healthy_grpo) == []
+    assert read_metrics(healthy_grpo)[-1]["alerts"] == 0
+
+
+def test_posttrain_eval_reproduces_the_demo_accuracies(healthy_grpo, noisy_sft, tmp_path, capsys):
+    """`posttrain eval` on the SFT model and on the GRPO model gives the accuracies the demo computes
+    (posttrain.demo.accuracy: greedy, and 4 samples per prompt at T = 1 after seeding)."""
+    from posttrain.cli import main
+    from posttrain.demo import accuracy
+
+    data = write_jsonl(tmp_path / "held_out.jsonl", HELD_OUT)
+    for model in (noisy_sft["policy"], str(healthy_grpo / "final" / "policy")):
+        argv = ["eval", "--model", model, "--data", data, "--rewards", "posttrain.rewards.builtin:exact_answer"]
+        argv += ["--temperature", "1", "--n", "4", "--k", "1,2,4", "--greedy", "--max-new-tokens", "4"]
+        assert main([*argv, "data.chat_template=never", "eval.batch_size=100", "model.device=cpu"]) == 0
+        printed = capsys.readouterr().out
+        summary = json.loads(printed[printed.index("{") :])
+        assert "eval/greedy/accuracy" in printed.split("{")[0]  # the table comes first
+        assert summary["eval/greedy/accuracy"] == pytest.approx(accuracy(model, HELD_OUT, 0))
+        assert summary["eval/sampled/accuracy"] == pytest.approx(accuracy(model, HELD_OUT, 1.0, samples=4, seed=0))
+        assert summary["eval/sampled/pass@1"] == pytest.approx(summary["eval/sampled/accuracy"])
+        assert summary["eval/prompts"] == 100
+
+
+def test_posttrain_eval_flags_fail_clearly(noisy_sft, tmp_path, capsys):
+    from posttrain.cli import main
+
+    data = write_jsonl(tmp_path / "held_out.jsonl", HELD_OUT[:2])
+    with pytest.raises(SystemExit):
+        main(
+            ["eval", "--model", noisy_sft["policy"], "--data", data, "--rewards", "x:y"]
+            + ["--temperature", "1"]
+            + ["--n", "4", "--k", "8"]
+        )
+    assert "eval.k" in capsys.readouterr().err
+
+
+def test_length_reward_raises_length_alert_and_length_penalty_does_not(noisy_sft, tmp_path):
+    """Alert 6: a reward that pays per character makes responses grow with the reward; the same run
+    with a length penalty does not."""
+
+    def run(per_token: float, name: str):
+        config = _grpo(
+            noisy_sft,
+            tmp_path / name,
+            f"rewards=[{{function: 'posttrain.rewards.length:per_token_length', kwargs: {{per_token: {per_token}}}}}]",
+            "sampling.max_new_tokens=12",
+            "run.batch_size=32",
+            "run.max_steps=8",
+            "optim.lr=2e-3",
+            "alerts.window=6",
+        )
+        train_grpo(config)
+        return read_alerts(tmp_path / name), read_metrics(tmp_path / name)
+
+    rewarded, metrics = run(-0.1, "longer")  # −penalty = +0.1 per character
+    assert 6 in [a["id"] for a in rewarded], (rewarded, [r["response_length/mean"] for r in metrics])
+    length_alert = next(a for a in rewarded if a["id"] == 6)
+    assert "correlation with the reward" in length_alert["seen"]
+    penalised, _ = run(0.1, "shorter")
+    assert 6 not in [a["id"] for a in penalised]
+
+
+@pytest.fixture(scope="module")
+def kl_ppo(noisy_sft, tmp_path_factory):
+    """PPO with kl_coef = 0 and lr = 1e-2 for 5 steps, evaluated on eval.path at the end."""
+    out = tmp_path_factory.mktemp("kl_ppo")
+    eval_path = write_jsonl(out / "held_out.jsonl", HELD_OUT[:16])
+    config = load_config(
+        PPOConfig,
+        None,
+        [
+            f"model.path={noisy_sft['policy']}",
+            f"data.path={noisy_sft['prompts']}",
+            "data.chat_template=never",
+            f"run.output_dir={out / 'run'}",
+            "run.progress=false",
+            "run.report_to=[jsonl]",
+            EXACT,
+            "critic=policy",
+            "kl_coef=0",
+            "optim.lr=1e-2",
+            "sampling.max_new_tokens=4",
+            "run.batch_size=16",
+            "run.max_steps=5",
+            "alerts.window=4",
+            f"eval.path={eval_path}",
+            "run.eval_every=5",
+        ],
+    )
+    train_ppo(config)
+    return out / "run"
+
+
+def test_kl_coef_zero_with_high_lr_raises_kl_alert_in_ppo_with_held_out_eval(kl_ppo):
+    """Alert 1 in PPO (kl_coef = 0, lr = 1e-2), and PPO's held-out evaluation from eval.path."""
+    alerts, records = read_alerts(kl_ppo), read_metrics(kl_ppo)
+    assert 1 in [a["id"] for a in alerts], [r["kl/per_token"] for r in records]
+    assert "eval/greedy/accuracy" in records[-1] and "eval/greedy/accuracy" not in records[0]
+
+
+def test_sampling_and_training_temperature_mismatch_raises_alert_4_at_step_1(noisy_sft, tmp_path, monkeypatch):
+    """Alert 4: the training forward takes log-probs at τ = 1 while the sampler drew at τ = 0.7."""
+    import posttrain.trainers.grpo as grpo
+
+    original = grpo.policy_logprobs
+
+    def at_temperature_one(model, rollout, rows, device, **kwargs):
+        return original(model, replace(rollout, temperature=1.0), rows, device, **kwargs)
+
+    monkeypatch.setattr(grpo, "policy_logprobs", at_temperature_one)
+    config = _grpo(noisy_sft, tmp_path / "mismatch", "run.max_steps=1", "sampling.temperature=0.7", "run.batch_size=32")
+    train_grpo(config)
+    alerts = read_alerts(tmp_path / "mismatch")
+    assert [(a["id"], a["step"]) for a in alerts] == [(4, 1)]
+
+
+# --------------------------------------------------------------------------------------------------
+# the report, opened in headless Chromium
+# --------------------------------------------------------------------------------------------------
+
+
+def _chromium() -> str:
+    """The chromium binary; installed with apt-get (Debian's package) when missing and possible."""
+    import os
+    import shutil
+    import subprocess
+
+    found = shutil.which("chromium")
+    if found is None and shutil.which("apt-get") and os.geteuid() == 0:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=600)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], env=env, capture_output=True, timeout=900)
+        found = shutil.which("chromium")
+    if found is None:
+        pytest.skip("chromium is not installed and apt-get could not install it (not root, or no package source)")
+    return found
+
+
+def test_report_renders_every_plot_in_headless_chromium(healthy_grpo, kl_ppo, tmp_path):
+    import re
+    import subprocess
+
+    from posttrain.monitor.report import write_report
+
+    path = write_report([healthy_grpo, kl_ppo], tmp_path / "report.html")
+    text = path.read_text()
+    assert not re.search(r"""(src|href)=["']https?:""", text)  # nothing to fetch: plots are inline SVG
+    assert "Alerts" in text and "kl_large" in text and "Held-out samples" in text
+    browser = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    dom = subprocess.run([*browser, "--dump-dom", path.as_uri()], capture_output=True, text=True, timeout=180)
+    body = re.search(r'<body data-plots="(\d+)/(\d+)" data-errors="(\d+)"', dom.stdout)
+    assert body, dom.stderr[-2000:]
+    rendered, plots, errors = map(int, body.groups())
+    # reward, held-out, KL, length, entropy, clipfrac, value loss, explained variance, phases, alerts
+    assert plots == 10 and rendered == plots and errors == 0
+    assert "Uncaught" not in dom.stderr
+    shot = tmp_path / "report.png"
+    subprocess.run(
+        [*browser, "--window-size=1280,1600", f"--screenshot={shot}", path.as_uri()], capture_output=True, timeout=180
+    )
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_evaluation_leaves_training_unchanged(noisy_sft, tmp_path):
+    """Evaluating (with sampling) every step trains exactly as not evaluating: the RNG is forked."""
+    from safetensors.torch import load_file
+
+    common = ("run.max_steps=3", "run.batch_size=16", "optim.lr=2e-3")
+    train_grpo(_grpo(noisy_sft, tmp_path / "plain", *common))
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", HELD_OUT[:8])
+    evaluation = (f"eval.path={held_out}", "run.eval_every=1", "eval.n=2")
+    train_grpo(_grpo(noisy_sft, tmp_path / "evaluated", *common, *evaluation))
+    plain, evaluated = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "evaluated")
+    assert [r["reward/mean"] for r in plain] == [r["reward/mean"] for r in evaluated]
+    assert all("eval/sampled/pass@2" in r for r in evaluated)
+    weights = [load_file(tmp_path / run / "final" / "policy" / "model.safetensors") for run in ("plain", "evaluated")]
+    assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
+
+
+def test_posttrain_eval_of_a_lora_adapter_scored_by_a_reward_model(tiny_dir, tmp_path, capsys):
+    """`posttrain eval --model ADAPTER --reward-model RM`: the adapter loads on its base (a fresh adapter
+    generates as the base does) and the reward model's mean score is that of the written completions."""
+    from posttrain.cli import main
+    from posttrain.models import ModelConfig, load_policy, load_tokenizer
+    from posttrain.rewards.model import score_texts
+
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+    adapter = tmp_path / "adapter"
+    load_policy(ModelConfig(path=str(tiny_dir / "policy"), device="cpu", lora=lora)).save_pretrained(adapter)
+    load_tokenizer(str(tiny_dir / "policy")).save_pretrained(adapter)
+    data = write_jsonl(tmp_path / "prompts.jsonl", HELD_OUT[:6])
+    completions = {}
+    for name, model in (("adapter", adapter), ("base", tiny_dir / "policy")):
+        argv = ["eval", "--model", str(model), "--data", data, "--reward-model", str(tiny_dir / "reward")]
+        argv += ["--max-new-tokens", "6", "--output-dir", str(tmp_path / name), "data.chat_template=never"]
+        assert main([*argv, "model.device=cpu"]) == 0
+        capsys.readouterr()
+        rows = [json.loads(line) for line in (tmp_path / name / "eval_samples.jsonl").read_text().splitlines()]
+        completions[name] = [r["completion"] for r in rows]
+        summary = json.loads((tmp_path / name / "eval_summary.json").read_text())
+        direct = score_texts(str(tiny_dir / "reward"), [r["prompt"] + r["completion"] for r in rows])
+        assert summary["eval/greedy/reward/reward_model"] == pytest.approx(float(direct.mean()), rel=1e-5)
+    assert completions["adapter"] == completions["base"]
+
+
+def test_reward_hacking_raises_rise_then_collapse_alert(noisy_sft, tmp_path):
+    """Alert 7: trained on exact answer + 0.3 per character, the policy learns to ramble: the training
+    reward rises while the held-out exact-match accuracy (eval.rewards, never optimised) falls."""
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", HELD_OUT[::3])
+    length_bonus = "{function: 'posttrain.rewards.length:per_token_length', kwargs: {per_token: -0.3}}"
+    config = _grpo(
+        noisy_sft,
+        tmp_path / "hacked",
+        f"rewards=[{{function: 'posttrain.rewards.builtin:exact_answer'}}, {length_bonus}]",
+        "eval.rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]",
+        f"eval.path={held_out}",
+        "run.eval_every=1",
+        "sampling.max_new_tokens=12",
+        "run.batch_size=32",
+        "run.max_steps=8",
+        "optim.lr=2e-3",
+        "alerts.window=6",
+    )
+    train_grpo(config)
+    records, alerts = read_metrics(tmp_path / "hacked"), read_alerts(tmp_path / "hacked")
+    accuracy = [r["eval/greedy/accuracy"] for r in records]
+    rewards = [r["reward/mean"] for r in records]
+    assert accuracy[-1] < max(accuracy) - 0.1 and rewards[-1] > rewards[0]  # the run did what the alert says
+    assert 7 in [a["id"] for a in alerts], (accuracy, rewards)
