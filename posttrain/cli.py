@@ -100,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(getattr(module, class_name), args.config, args.overrides)
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"posttrain {args.command}: error: {err}\n")
-    result = module.train(config)
+    from posttrain.data import DataError, NoUsableRows
+
+    try:
+        result = module.train(config)
+    except (DataError, NoUsableRows) as err:  # bad data: one line naming file, line and field
+        parser.exit(2, f"posttrain {args.command}: error: {err}\n")
     if int(os.environ.get("RANK", "0")) != 0:  # one summary per run, from the main process
         return 0
     summary = {

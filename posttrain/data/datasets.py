@@ -13,7 +13,15 @@ from typing import Any
 import torch
 
 from posttrain.data.encode import CHAT_TEMPLATE_MODES, OVERLONG_POLICIES, Encoder
-from posttrain.data.rows import DataError, check_preference, check_prompt, check_ranking, check_sft, read_rows
+from posttrain.data.rows import (
+    DataError,
+    NoUsableRows,
+    check_preference,
+    check_prompt,
+    check_ranking,
+    check_sft,
+    read_rows,
+)
 
 MALFORMED_POLICIES = ("error", "skip")
 
@@ -69,6 +77,15 @@ class DataReport:
     dropped: Counter = field(default_factory=Counter)  # reason -> count
     skipped: list[str] = field(default_factory=list)  # "file:line: field 'x': why" of skipped malformed rows
 
+    def why_empty(self) -> str:
+        """ "N read, M dropped because ..." for a dataset left without rows."""
+        if self.rows == 0:
+            return "0 rows read: the data is empty"
+        why = [f"{n} {why}" for why, n in sorted(self.dropped.items())]
+        if self.skipped:
+            why.append(f"{len(self.skipped)} malformed (first: {self.skipped[0]})")
+        return f"{self.rows} read, {self.rows - self.kept} dropped because: " + "; ".join(why)
+
     def summary(self) -> str:
         parts = [f"{self.rows} rows read", f"{self.kept} kept", f"{self.truncated} truncated"]
         parts += [f"{n} dropped ({why})" for why, n in sorted(self.dropped.items())]
@@ -104,11 +121,15 @@ class PromptExample:
 
 
 def _build(config: DataConfig, tokenizer, source, make) -> tuple[list, DataReport]:
-    """Apply ``make(row, encoder) -> (example | None, truncated)`` to every row, counting what happens."""
+    """Apply ``make(row, encoder) -> (example | None, truncated)`` to every row, counting what happens.
+
+    Raises ``NoUsableRows`` (before any model is loaded) when no row is left.
+    """
     config.validate()
     encoder = config.encoder(tokenizer)
     report, examples = DataReport(), []
-    for row in read_rows(config.path if source is None else source):
+    unreadable: list[str] | None = None if config.on_malformed == "error" else []
+    for row in read_rows(config.path if source is None else source, unreadable):
         if config.limit is not None and report.rows >= config.limit:
             break
         report.rows += 1
@@ -125,6 +146,11 @@ def _build(config: DataConfig, tokenizer, source, make) -> tuple[list, DataRepor
         report.kept += 1
         report.truncated += int(truncated)
         examples.append(example)
+    if unreadable:
+        report.rows += len(unreadable)
+        report.skipped = unreadable + report.skipped
+    if not examples:
+        raise NoUsableRows(f"no usable rows in data.path={config.path} ({report.why_empty()})")
     return examples, report
 
 

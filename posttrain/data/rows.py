@@ -32,14 +32,22 @@ class DataError(ValueError):
         super().__init__(f"{where}: field {field!r}: {message}")
 
 
+class NoUsableRows(ValueError):
+    """A dataset in which no row survives reading, checking and the length limits."""
+
+
 @dataclass
 class Row:
     where: str  # "path:line" (1-based line of a JSONL file, or row number of a JSON/Parquet table)
     data: dict[str, Any]
 
 
-def read_rows(source) -> Iterator[Row]:
-    """Rows of a .jsonl / .jsonl.gz / .json / .parquet file, a ``datasets.Dataset``, or a list of dicts."""
+def read_rows(source, skipped: list[str] | None = None) -> Iterator[Row]:
+    """Rows of a .jsonl / .jsonl.gz / .json / .parquet file, a ``datasets.Dataset``, or a list of dicts.
+
+    A JSONL line that is not UTF-8, not JSON or not an object raises ``DataError`` naming ``file:line``;
+    when ``skipped`` is a list the error is appended to it instead and the line skipped.
+    """
     if isinstance(source, list | tuple):
         for i, data in enumerate(source, start=1):
             yield Row(f"<list>:{i}", data)
@@ -60,30 +68,63 @@ def read_rows(source) -> Iterator[Row]:
             yield Row(f"{path}:{i}", data)
     elif path.suffix == ".jsonl" or suffixes == ".jsonl.gz":
         opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rb") as f:
             for i, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
                 try:
-                    data = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{i}", "<line>", f"not valid JSON ({err.msg})") from err
-                if not isinstance(data, dict):
-                    raise DataError(f"{path}:{i}", "<line>", f"expected a JSON object, got {type(data).__name__}")
-                yield Row(f"{path}:{i}", data)
+                    row = _parse_line(line, f"{path}:{i}")
+                except DataError as err:
+                    if skipped is None:
+                        raise
+                    skipped.append(str(err))
+                    continue
+                if row is not None:
+                    yield row
     elif path.suffix == ".json":
-        table = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            table = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise DataError(str(path), "<file>", f"not UTF-8 (byte {err.start})") from err
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}", "<file>", f"not valid JSON ({err.msg})") from err
         if not isinstance(table, list):
             raise DataError(str(path), "<file>", "a .json data file must hold a list of objects")
         for i, data in enumerate(table, start=1):
+            if not isinstance(data, dict):
+                raise DataError(f"{path}:{i}", "<row>", f"expected a JSON object, got {type(data).__name__}")
             yield Row(f"{path}:{i}", data)
     else:
         raise ValueError(f"unknown data file type {path.name!r}: use .jsonl, .jsonl.gz, .json or .parquet")
 
 
+def _parse_line(line: bytes, where: str) -> Row | None:
+    """One JSONL line as a row; None for a blank line."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(where, "<line>", f"not UTF-8 (byte {err.start}: {line[err.start : err.start + 1]!r})") from err
+    if not text.strip():
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(where, "<line>", f"not valid JSON ({err.msg})") from err
+    if not isinstance(data, dict):
+        raise DataError(where, "<line>", f"expected a JSON object, got {type(data).__name__}")
+    return Row(where, data)
+
+
 # --------------------------------------------------------------------------------------------------
 # Schemas
 # --------------------------------------------------------------------------------------------------
+
+
+def _unicode(row: Row, field: str, text: str) -> str:
+    """``text``, which JSON's escapes may have left holding lone surrogates that no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise DataError(row.where, field, f"not valid Unicode ({err.reason} at character {err.start})") from err
+    return text
 
 
 def _text_or_messages(row: Row, field: str, *, assistant_last: bool = False) -> str | list[dict]:
@@ -93,13 +134,15 @@ def _text_or_messages(row: Row, field: str, *, assistant_last: bool = False) -> 
     if isinstance(value, str):
         if not value.strip():
             raise DataError(row.where, field, "empty text")
-        return value
+        return _unicode(row, field, value)
     if isinstance(value, list) and value:
         for j, message in enumerate(value):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise DataError(row.where, f"{field}[{j}]", "a message must be an object with a string 'role'")
             if not isinstance(message.get("content"), str):
                 raise DataError(row.where, f"{field}[{j}].content", "missing or not a string")
+            _unicode(row, f"{field}[{j}].role", message["role"])
+            _unicode(row, f"{field}[{j}].content", message["content"])
         if assistant_last and value[-1]["role"] != "assistant":
             raise DataError(row.where, f"{field}[-1].role", "the last message must be the assistant's")
         if not value[-1]["content"].strip():
