@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from posttrain.data.encode import CHAT_TEMPLATE_MODES, OVERLONG_POLICIES, Encoder
+from posttrain.data.formats import encode_whole
 from posttrain.data.rows import (
     DataError,
     NoUsableRows,
@@ -98,6 +99,7 @@ class DataReport:
 class SFTExample:
     prompt_ids: list[int]
     completion_ids: list[int]
+    loss_mask: list[int] | None = None  # over completion_ids, 1 = trained; None = all (multi-turn rows set it)
 
 
 @dataclass
@@ -163,6 +165,12 @@ def load_sft(config: DataConfig, tokenizer, source=None) -> tuple[list[SFTExampl
 
     def make(row, encoder):
         prompt, completion = check_sft(row)
+        if prompt is None:
+            whole = encode_whole(encoder, completion, row.where)
+            if whole is None:
+                return None, False, _dropped_reason(encoder)
+            encoded, mask = whole
+            return SFTExample(encoded.prompt_ids, encoded.completion_ids, mask), encoded.truncated, ""
         encoded = encoder.pair(prompt, completion, row.where)
         if encoded is None:
             return None, False, _dropped_reason(encoder)
@@ -257,7 +265,12 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> SequenceBa
 
 
 def collate_sft(examples: list[SFTExample], pad_id: int) -> SequenceBatch:
-    return collate([(e.prompt_ids, e.completion_ids) for e in examples], pad_id)
+    batch = collate([(e.prompt_ids, e.completion_ids) for e in examples], pad_id)
+    for i, e in enumerate(examples):
+        if e.loss_mask is not None:  # several assistant turns: only theirs are trained
+            start = len(e.prompt_ids)
+            batch.completion_mask[i, start : start + len(e.loss_mask)] = torch.tensor(e.loss_mask)
+    return batch
 
 
 def collate_preferences(examples: list[PreferenceExample], pad_id: int) -> SequenceBatch:
@@ -299,7 +312,7 @@ def pack_sft(examples: list[SFTExample], max_length: int) -> list[PackedExample]
             packs.append(current)
             current = PackedExample([], [], [])
         current.input_ids += ids
-        current.completion_mask += [0] * len(e.prompt_ids) + [1] * len(e.completion_ids)
+        current.completion_mask += [0] * len(e.prompt_ids) + (e.loss_mask or [1] * len(e.completion_ids))
         current.position_ids += list(range(len(ids)))
     if current.input_ids:
         packs.append(current)

@@ -132,8 +132,13 @@ values = st.recursive(
 )
 field = st.one_of(texts, messages, st.sampled_from(["2", "4 + 4", "yes"]))
 near_valid = st.fixed_dictionaries(
-    {"prompt": field},
-    optional={"completion": field, "chosen": field, "rejected": field, "responses": st.lists(field, max_size=3)},
+    {},
+    optional={
+        **{key: field for key in ("prompt", "completion", "chosen", "rejected", "text")},
+        "messages": messages,
+        "responses": st.lists(field, max_size=3),
+        "label": st.booleans(),
+    },
 )
 json_rows = st.one_of(st.dictionaries(st.sampled_from(KEYS), values, max_size=5), near_valid).map(
     lambda d: json.dumps(d).encode()
