@@ -27,7 +27,7 @@ from posttrain.data import (
     load_prompts,
     load_rankings,
 )
-from posttrain.data.rows import read_rows
+from posttrain.data.datasets import first_row
 from posttrain.models import (
     ModelConfig,
     RewardScorer,
@@ -154,8 +154,8 @@ def load_ranking_data(config: RMConfig, tokenizer):
     """Rankings (pairs become rankings of K = 2) and the data report."""
     data_format = config.data_format
     if data_format == "auto":
-        first = next(iter(read_rows(config.data.path, skipped=[])), None)  # None: load_* names what is wrong
-        data_format = "pairs" if first is None or "chosen" in first.data else "rankings"
+        first = first_row(config.data)  # None: load_preferences says the data is empty
+        data_format = "pairs" if first is None or "chosen" in first else "rankings"
     if data_format == "rankings":
         return load_rankings(config.data, tokenizer)
     pairs, report = load_preferences(config.data, tokenizer)
