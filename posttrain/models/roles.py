@@ -212,6 +212,9 @@ def load_policy(config: ModelConfig) -> nn.Module:
 
         lora = {"task_type": "CAUSAL_LM", **config.lora}
         model = disable_dropout(get_peft_model(model, LoraConfig(**lora)))
+        # saved adapters name their base: a relative path would break from any other working directory
+        local = Path(config.path)
+        model.peft_config["default"].base_model_name_or_path = str(local.resolve()) if local.exists() else config.path
     return model
 
 
