@@ -2,8 +2,9 @@
 
 Layout of ``<output_dir>/checkpoints/step-000120/``:
 
-    hf/<role>/           save_pretrained of each trained model (and the tokenizer): loads without posttrain
-    state/               accelerate ``save_state``: model, optimizer, scheduler, RNG states (every process)
+    hf/<role>/           save_pretrained of each trained model (and the tokenizer): loads without posttrain;
+                         the only copy of the weights, loaded from here on resume (trainers/weights.py)
+    state/               accelerate ``save_state``: optimizer, scheduler, RNG states (every process)
     trainer_state.json   step, epoch and the trainer's own state (e.g. the adaptive KL controller); written
                          last, so a folder without it is a partial checkpoint and is refused
 
@@ -18,6 +19,8 @@ import os
 import re
 import shutil
 from pathlib import Path
+
+from posttrain.trainers.weights import weights_from_hf, weights_left_to_hf
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -78,7 +81,8 @@ def save_checkpoint(accelerator, output_dir, step: int, models: dict, tokenizer,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "state"))
+    with weights_left_to_hf(accelerator, models):
+        accelerator.save_state(str(tmp / "state"))
     for role, model in models.items():
         state_dict = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
@@ -100,5 +104,6 @@ def load_checkpoint(accelerator, path: Path) -> dict:
     """Restore models, optimizer, scheduler and RNG states from ``path``; returns its trainer state."""
     if not (path / STATE_FILE).is_file():
         raise IncompleteCheckpointError(f"{path} has no {STATE_FILE}: it is a partial checkpoint")
-    accelerator.load_state(str(path / "state"))
+    with weights_from_hf(accelerator, path):
+        accelerator.load_state(str(path / "state"))
     return json.loads((path / STATE_FILE).read_text())
