@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 SCHEDULERS = ("constant", "linear", "cosine")
-REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
 
@@ -85,7 +85,11 @@ class RunConfig:
     resume_from: str | None = None
     """``latest`` (the newest complete checkpoint in output_dir) or a checkpoint folder; null = fresh."""
     report_to: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
-    """Metric sinks: jsonl, tensorboard, wandb, mlflow (the last two when installed)."""
+    """Metric sinks: jsonl, tensorboard, wandb, mlflow, trackio (the last three when installed)."""
+    project: str = "posttrain"
+    """The W&B / trackio project and the MLflow experiment the run is logged under."""
+    name: str | None = None
+    """The run's name in W&B, MLflow and trackio; null = output_dir's name (sft, rm, dpo) or the trainer's."""
     progress: bool = True
     """Show a progress bar with step, ETA and the key metrics."""
     mixed_precision: str = "no"
