@@ -5,9 +5,10 @@ import json
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 from posttrain.models import ModelConfig, load_policy, load_scalar_model
-from posttrain.models.roles import PolicyWithValueHead
+from posttrain.models.roles import PolicyWithValueHead, RewardScorer, ValueModel
 from posttrain.trainers.weights import restore_weights
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
@@ -38,13 +39,19 @@ def _perturbed(model, seed=1):
     return model
 
 
-@pytest.mark.parametrize("kind", ["causal", "lora", "reward", "value_head"])
+@pytest.mark.parametrize("kind", ["causal", "lora", "reward", "reward_lora", "scorer", "critic", "value_head"])
 def test_restore_weights_gives_back_exactly_what_save_pretrained_wrote(tiny_dir, tmp_path, kind):
     policy = ModelConfig(path=str(tiny_dir / "policy"), device="cpu")
     build = {
         "causal": lambda: load_policy(policy),
         "lora": lambda: load_policy(ModelConfig(path=policy.path, device="cpu", lora=LORA)),
         "reward": lambda: load_scalar_model(ModelConfig(path=str(tiny_dir / "reward"), device="cpu"), "reward"),
+        "reward_lora": lambda: get_peft_model(
+            load_scalar_model(ModelConfig(path=str(tiny_dir / "reward"), device="cpu"), "reward"),
+            LoraConfig(task_type="SEQ_CLS", modules_to_save=["score"], **LORA),
+        ),
+        "scorer": lambda: RewardScorer(load_scalar_model(ModelConfig(path=str(tiny_dir / "reward")), "reward")),
+        "critic": lambda: ValueModel(load_scalar_model(policy, "value")),
         "value_head": lambda: PolicyWithValueHead(load_policy(policy)),
     }[kind]
     trained = _perturbed(build())

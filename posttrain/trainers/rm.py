@@ -31,6 +31,7 @@ from posttrain.data.datasets import first_row
 from posttrain.models import (
     ModelConfig,
     RewardScorer,
+    adapter_base,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
@@ -179,6 +180,7 @@ def train(config: RMConfig, callbacks=()) -> dict:
         model = get_peft_model(
             model, LoraConfig(**{"task_type": "SEQ_CLS", "modules_to_save": ["score"], **config.model.lora})
         )
+        model.peft_config["default"].base_model_name_or_path = adapter_base(config.model.path)
     scorer = RewardScorer(model)  # trained through its forward: DDP synchronises its gradients
     task = RMTask(tokenizer.pad_token_id, config.margin, config.center_coef)
     result = run_offline(

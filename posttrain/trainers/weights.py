@@ -17,7 +17,7 @@ from pathlib import Path
 
 from accelerate.utils import DistributedType
 
-from posttrain.models.roles import PolicyWithValueHead, is_peft_model
+from posttrain.models.roles import PolicyWithValueHead, RewardScorer, ValueModel, is_peft_model
 
 RECORD = "weights_in_hf.json"
 SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
@@ -71,12 +71,16 @@ def weights_from_hf(accelerator, checkpoint: Path):
 def restore_weights(model, folder: Path) -> None:
     """Load what ``model.save_pretrained(folder)`` wrote back into ``model``, in place and exactly.
 
-    A PEFT model gets its trained adapter back (the frozen base is as loaded); a shared-critic
-    policy its backbone and ``value_head.safetensors``. Weights tied to a loaded tensor (an output
+    A PEFT model gets its trained adapter back (and its modules_to_save; the frozen base is as
+    loaded); a shared-critic policy its backbone and ``value_head.safetensors``; a reward scorer or
+    value model the Hugging Face model it wraps. Weights tied to a loaded tensor (an output
     embedding saved once) need no file of their own; anything else missing is an error.
     """
     from safetensors.torch import load_file
 
+    if isinstance(model, RewardScorer | ValueModel):  # saved as the Hugging Face model inside
+        restore_weights(model.model, folder)
+        return
     if isinstance(model, PolicyWithValueHead):
         restore_weights(model.policy, folder)
         model.v_head.load_state_dict(load_file(folder / "value_head.safetensors"))
