@@ -3,7 +3,7 @@ completions in the sandbox. Prints one JSON line.
 
     .venv/bin/python bench/rewards_throughput.py [--math 1000] [--code 200] [--workers 4] [--timeout 2]
 
-Math: the worked solutions of the first N GSM8K training problems, scored against their own answers
+Math: the worked solutions of N GSM8K training problems (the 300 shipped, repeated), scored against their own answers
 (half of them) and against another problem's answer (the other half), through the same
 ``RewardComposer`` path training uses (a forked worker per call, under a timeout). Code: a mix of
 correct, wrong, crashing and never-ending programs (5 % loop forever, to show what timeouts cost),
@@ -33,11 +33,11 @@ TESTS = ["assert solve(2, 3) == 7", "assert solve(0, 5) == 1", "assert solve(4, 
 
 
 def bench_math(n: int) -> dict:
-    rows = load_gsm8k("train", limit=n)
+    sample = load_gsm8k("train")
+    rows = [sample[i % len(sample)] for i in range(n)]
     rng = random.Random(0)
-    answers = [
-        r["answer"] if i % 2 == 0 else rows[(i + rng.randint(1, n - 1)) % n]["answer"] for i, r in enumerate(rows)
-    ]
+    other = [sample[(i + rng.randint(1, len(sample) - 1)) % len(sample)] for i in range(n)]  # never itself
+    answers = [r["answer"] if i % 2 == 0 else other[i]["answer"] for i, r in enumerate(rows)]
     composer = RewardComposer.from_specs([RewardSpec("posttrain.rewards.math:math_answer", timeout=120)])
     start = time.perf_counter()
     out = composer([r["prompt"] for r in rows], [r["solution"] for r in rows], {"answer": answers})

@@ -4,7 +4,8 @@
 
 writes runs/tiny/{policy,reward} (offline, from seed 0); synthetic data under runs/data/ (sums for SFT and
 RL, a noisy-demonstrator variant, vowel pairs and rankings); runs/data/hh_rlhf.jsonl (the HH-RLHF
-harmless-base pairs from ../shared/data, split into prompt / chosen / rejected) and the GSM8K test prompts.
+harmless-base pairs shipped in posttrain/data/samples, split into prompt / chosen / rejected) and the GSM8K
+prompts (the shipped 300-row samples of each split).
 """
 
 import json

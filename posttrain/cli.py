@@ -60,10 +60,20 @@ def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
         )
         p.add_argument("--config", help="YAML file with the options below")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="override an option, e.g. optim.lr=1e-5")
-    demo = sub.add_parser("demo", help="SFT, a reward model and DPO on a tiny model, end to end on CPU")
+    demo_help = "SFT, GRPO, DPO, a reward model and RLHF-PPO on a tiny model, end to end on CPU"
+    demo = sub.add_parser("demo", help=demo_help, description=demo_help)
     demo.add_argument("--out", default="runs/demo", help="folder for the runs (default: runs/demo)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quick", action="store_true", help="a fifth of the steps (a smoke run)")
+    export = sub.add_parser(
+        "export",
+        help="a run's final model (or a checkpoint's) as a plain Hugging Face folder with a model card",
+        description="Write a run's model as a Hugging Face folder (loads without posttrain) with README.md.",
+    )
+    export.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder, a checkpoint or a model folder")
+    export.add_argument("--out", required=True, help="an empty or new folder to write")
+    export.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into its base model")
+    export.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this Hub model repo")
     tiny = sub.add_parser("tiny", help="build tiny offline models (policy, reward) and a char tokenizer")
     tiny.add_argument("--out", required=True, help="folder to write policy/ and reward/ into")
     tiny.add_argument("--seed", type=int, default=0)
@@ -150,6 +160,17 @@ def main(argv: list[str] | None = None) -> int:
 
         run_demo(args.out, seed=args.seed, quick=args.quick)
         return 0
+    if args.command == "export":
+        from posttrain.export import export, push_to_hub
+
+        try:
+            out = export(args.source, args.out, args.merge_lora)
+        except (FileNotFoundError, FileExistsError) as err:
+            parser.exit(2, f"posttrain export: error: {err}\n")
+        print(f"wrote {out}")
+        if args.push_to_hub:
+            print(f"pushed to {push_to_hub(out, args.push_to_hub)}")
+        return 0
     if args.command == "tiny":
         from posttrain.models.tiny import build_tiny
 
@@ -174,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         check_inputs(config)
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"posttrain {args.command}: error: {err}\n")
+    from posttrain.data import DataError, NoUsableRows
     from posttrain.trainers.checkpoint import NonFiniteError
 
     try:
         result = module.train(config)
+    except (DataError, NoUsableRows) as err:  # bad data: one line naming file, line and field
+        parser.exit(2, f"posttrain {args.command}: error: {err}\n")
     except NonFiniteError as err:  # the run stopped itself, saying why: no traceback
         parser.exit(1, f"posttrain {args.command}: stopped: {err}\n")
     if int(os.environ.get("RANK", "0")) != 0:  # one summary per run, from the main process

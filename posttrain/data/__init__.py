@@ -21,8 +21,8 @@ from posttrain.data.datasets import (
     pack_sft,
 )
 from posttrain.data.encode import Encoder
-from posttrain.data.real import gsm8k_final_answer, load_gsm8k, load_hh_rlhf, shared_data_dir
-from posttrain.data.rows import DataError, read_rows
+from posttrain.data.real import gsm8k_final_answer, load_gsm8k, load_hh_rlhf
+from posttrain.data.rows import DataError, NoUsableRows, read_rows
 
 __all__ = [
     "DataConfig",
@@ -30,6 +30,7 @@ __all__ = [
     "DataReport",
     "PackedExample",
     "Encoder",
+    "NoUsableRows",
     "PreferenceExample",
     "PromptExample",
     "RankingExample",
@@ -49,5 +50,4 @@ __all__ = [
     "load_sft",
     "pack_sft",
     "read_rows",
-    "shared_data_dir",
 ]

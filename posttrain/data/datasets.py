@@ -13,7 +13,17 @@ from typing import Any
 import torch
 
 from posttrain.data.encode import CHAT_TEMPLATE_MODES, OVERLONG_POLICIES, Encoder
-from posttrain.data.rows import DataError, check_preference, check_prompt, check_ranking, check_sft, read_rows
+from posttrain.data.formats import encode_whole
+from posttrain.data.hub import is_datasets_source, open_dataset, tokenize_with_cache
+from posttrain.data.rows import (
+    DataError,
+    NoUsableRows,
+    check_preference,
+    check_prompt,
+    check_ranking,
+    check_sft,
+    read_rows,
+)
 
 MALFORMED_POLICIES = ("error", "skip")
 
@@ -23,7 +33,14 @@ class DataConfig:
     """Where a dataset comes from and how its rows become tokens."""
 
     path: str = ""
-    """A .jsonl, .jsonl.gz, .json or .parquet file (see posttrain.data.rows for the schemas)."""
+    """A .jsonl, .jsonl.gz, .json or .parquet file (see posttrain.data.rows for the dataset types), a folder
+    written by Dataset.save_to_disk, a folder of data files, or a Hub dataset id (loaded by datasets)."""
+    name: str | None = None
+    """The Hub dataset's configuration (load_dataset's name), e.g. "main" for openai/gsm8k."""
+    split: str = "train"
+    """The split of a Hub dataset or of a saved DatasetDict."""
+    revision: str | None = None
+    """The Hub dataset's revision (a branch, tag or commit); None = the default branch."""
     max_length: int | None = 1024
     """Most tokens of prompt + completion; None = no limit."""
     max_prompt_length: int | None = None
@@ -42,6 +59,8 @@ class DataConfig:
     def validate(self, name: str = "data") -> None:
         if not self.path:
             raise ValueError(f"{name}.path is required")
+        if not self.split:
+            raise ValueError(f"{name}.split must name a split, e.g. 'train'")
         if self.overlong not in OVERLONG_POLICIES:
             raise ValueError(f"{name}.overlong must be one of {OVERLONG_POLICIES}, got {self.overlong!r}")
         if self.on_malformed not in MALFORMED_POLICIES:
@@ -68,12 +87,24 @@ class DataReport:
     truncated: int = 0
     dropped: Counter = field(default_factory=Counter)  # reason -> count
     skipped: list[str] = field(default_factory=list)  # "file:line: field 'x': why" of skipped malformed rows
+    cached: bool = False  # the tokenized rows came from the datasets cache (nothing was tokenized)
+
+    def why_empty(self) -> str:
+        """ "N read, M dropped because ..." for a dataset left without rows."""
+        if self.rows == 0:
+            return "0 rows read: the data is empty"
+        why = [f"{n} {why}" for why, n in sorted(self.dropped.items())]
+        if self.skipped:
+            why.append(f"{len(self.skipped)} malformed (first: {self.skipped[0]})")
+        return f"{self.rows} read, {self.rows - self.kept} dropped because: " + "; ".join(why)
 
     def summary(self) -> str:
         parts = [f"{self.rows} rows read", f"{self.kept} kept", f"{self.truncated} truncated"]
         parts += [f"{n} dropped ({why})" for why, n in sorted(self.dropped.items())]
         if self.skipped:
             parts.append(f"{len(self.skipped)} malformed skipped (first: {self.skipped[0]})")
+        if self.cached:
+            parts.append("tokens from the datasets cache")
         return ", ".join(parts)
 
 
@@ -81,6 +112,7 @@ class DataReport:
 class SFTExample:
     prompt_ids: list[int]
     completion_ids: list[int]
+    loss_mask: list[int] | None = None  # over completion_ids, 1 = trained; None = all (multi-turn rows set it)
 
 
 @dataclass
@@ -103,12 +135,26 @@ class PromptExample:
     columns: dict[str, Any]  # passed to reward functions (e.g. "answer")
 
 
-def _build(config: DataConfig, tokenizer, source, make) -> tuple[list, DataReport]:
-    """Apply ``make(row, encoder) -> (example | None, truncated)`` to every row, counting what happens."""
+def _build(config: DataConfig, tokenizer, source, make, example_type) -> tuple[list, DataReport]:
+    """Apply ``make(row, encoder) -> (example | None, truncated, reason)`` to every row, counting what happens.
+
+    Raises ``NoUsableRows`` (before any model is loaded) when no row is left.
+    """
     config.validate()
     encoder = config.encoder(tokenizer)
+    if source is None and is_datasets_source(config.path):
+        examples, report = _build_with_datasets(config, encoder, make, example_type)
+    else:
+        examples, report = _build_from_rows(config, encoder, source, make)
+    if not examples:
+        raise NoUsableRows(f"no usable rows in data.path={config.path} ({report.why_empty()})")
+    return examples, report
+
+
+def _build_from_rows(config: DataConfig, encoder: Encoder, source, make) -> tuple[list, DataReport]:
     report, examples = DataReport(), []
-    for row in read_rows(config.path if source is None else source):
+    unreadable: list[str] | None = None if config.on_malformed == "error" else []
+    for row in read_rows(config.path if source is None else source, unreadable):
         if config.limit is not None and report.rows >= config.limit:
             break
         report.rows += 1
@@ -125,7 +171,38 @@ def _build(config: DataConfig, tokenizer, source, make) -> tuple[list, DataRepor
         report.kept += 1
         report.truncated += int(truncated)
         examples.append(example)
+    if unreadable:
+        report.rows += len(unreadable)
+        report.skipped = unreadable + report.skipped
     return examples, report
+
+
+def _build_with_datasets(config: DataConfig, encoder: Encoder, make, example_type) -> tuple[list, DataReport]:
+    """A Hub id or a dataset folder, tokenized by a cached ``Dataset.map``."""
+    dataset = open_dataset(config.path, config.name, config.split, config.revision)
+    if config.limit is not None:
+        dataset = dataset.select(range(min(config.limit, len(dataset))))
+    label = f"{config.path}[{config.split}]"
+    examples, outcomes, cached = tokenize_with_cache(dataset, label, make, encoder, config.on_malformed, example_type)
+    report = DataReport(rows=len(outcomes), cached=cached)
+    for status, detail, truncated in outcomes:
+        if status == "kept":
+            report.kept += 1
+            report.truncated += int(truncated)
+        elif status == "dropped":
+            report.dropped[detail] += 1
+        else:
+            report.skipped.append(detail)
+    return examples, report
+
+
+def first_row(config: DataConfig) -> dict | None:
+    """The first readable row of ``config.path`` (None when there is none), to tell data types apart."""
+    if is_datasets_source(config.path):
+        dataset = open_dataset(config.path, config.name, config.split, config.revision)
+        return dataset[0] if len(dataset) else None
+    row = next(iter(read_rows(config.path, skipped=[])), None)
+    return None if row is None else row.data
 
 
 def _dropped_reason(encoder: Encoder) -> str:
@@ -137,12 +214,18 @@ def load_sft(config: DataConfig, tokenizer, source=None) -> tuple[list[SFTExampl
 
     def make(row, encoder):
         prompt, completion = check_sft(row)
+        if prompt is None:
+            whole = encode_whole(encoder, completion, row.where)
+            if whole is None:
+                return None, False, _dropped_reason(encoder)
+            encoded, mask = whole
+            return SFTExample(encoded.prompt_ids, encoded.completion_ids, mask), encoded.truncated, ""
         encoded = encoder.pair(prompt, completion, row.where)
         if encoded is None:
             return None, False, _dropped_reason(encoder)
         return SFTExample(encoded.prompt_ids, encoded.completion_ids), encoded.truncated, ""
 
-    return _build(config, tokenizer, source, make)
+    return _build(config, tokenizer, source, make, SFTExample)
 
 
 def load_preferences(config: DataConfig, tokenizer, source=None) -> tuple[list[PreferenceExample], DataReport]:
@@ -158,7 +241,7 @@ def load_preferences(config: DataConfig, tokenizer, source=None) -> tuple[list[P
             return None, False, "chosen and rejected identical after truncation"
         return PreferenceExample(c.prompt_ids, c.completion_ids, r.completion_ids), c.truncated or r.truncated, ""
 
-    return _build(config, tokenizer, source, make)
+    return _build(config, tokenizer, source, make, PreferenceExample)
 
 
 def load_rankings(config: DataConfig, tokenizer, source=None) -> tuple[list[RankingExample], DataReport]:
@@ -174,7 +257,7 @@ def load_rankings(config: DataConfig, tokenizer, source=None) -> tuple[list[Rank
             return None, False, "responses identical after truncation"
         return RankingExample(encoded[0].prompt_ids, ids), any(e.truncated for e in encoded), ""
 
-    return _build(config, tokenizer, source, make)
+    return _build(config, tokenizer, source, make, RankingExample)
 
 
 def load_prompts(config: DataConfig, tokenizer, source=None) -> tuple[list[PromptExample], DataReport]:
@@ -187,7 +270,7 @@ def load_prompts(config: DataConfig, tokenizer, source=None) -> tuple[list[Promp
             return None, False, "over-long prompt"
         return PromptExample(encoded.prompt_ids, prompt, columns), encoded.truncated, ""
 
-    return _build(config, tokenizer, source, make)
+    return _build(config, tokenizer, source, make, PromptExample)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,7 +314,12 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> SequenceBa
 
 
 def collate_sft(examples: list[SFTExample], pad_id: int) -> SequenceBatch:
-    return collate([(e.prompt_ids, e.completion_ids) for e in examples], pad_id)
+    batch = collate([(e.prompt_ids, e.completion_ids) for e in examples], pad_id)
+    for i, e in enumerate(examples):
+        if e.loss_mask is not None:  # several assistant turns: only theirs are trained
+            start = len(e.prompt_ids)
+            batch.completion_mask[i, start : start + len(e.loss_mask)] = torch.tensor(e.loss_mask)
+    return batch
 
 
 def collate_preferences(examples: list[PreferenceExample], pad_id: int) -> SequenceBatch:
@@ -273,7 +361,7 @@ def pack_sft(examples: list[SFTExample], max_length: int) -> list[PackedExample]
             packs.append(current)
             current = PackedExample([], [], [])
         current.input_ids += ids
-        current.completion_mask += [0] * len(e.prompt_ids) + [1] * len(e.completion_ids)
+        current.completion_mask += [0] * len(e.prompt_ids) + (e.loss_mask or [1] * len(e.completion_ids))
         current.position_ids += list(range(len(ids)))
     if current.input_ids:
         packs.append(current)

@@ -1,30 +1,17 @@
-"""Loaders for the real data sets kept beside the project (``../shared/data``): GSM8K and HH-RLHF.
+"""Loaders for GSM8K and HH-RLHF: the samples shipped in ``posttrain/data/samples`` or the full files.
 
-Nothing is downloaded: the files are found through ``POSTTRAIN_SHARED_DATA`` or by looking for a
-``shared/data`` folder above the working directory and above this package.
+Nothing is downloaded: the tests, examples and demo read the small MIT-licensed samples inside the
+package (see ``samples/README.md``); pass ``path=`` to read a full copy of the same file.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from posttrain.data.rows import read_rows
 
 HH_ASSISTANT = "\n\nAssistant:"
-
-
-def shared_data_dir() -> Path:
-    """The folder holding ``gsm8k/`` and ``hh-rlhf/``."""
-    env = os.environ.get("POSTTRAIN_SHARED_DATA")
-    if env:
-        return Path(env)
-    for start in (Path.cwd(), Path(__file__).resolve()):
-        for folder in (start, *start.parents):
-            candidate = folder / "shared" / "data"
-            if (candidate / "gsm8k").is_dir():
-                return candidate
-    raise FileNotFoundError("no shared/data folder found; set POSTTRAIN_SHARED_DATA to the folder holding gsm8k/")
+SAMPLES = Path(__file__).parent / "samples"
 
 
 def gsm8k_final_answer(solution: str) -> str:
@@ -35,12 +22,15 @@ def gsm8k_final_answer(solution: str) -> str:
     return solution[marker + 4 :].strip().replace(",", "")
 
 
-def load_gsm8k(split: str = "train", limit: int | None = None) -> list[dict]:
-    """RL prompt rows ``{"prompt": question, "answer": final answer, "solution": worked solution}``."""
+def load_gsm8k(split: str = "train", limit: int | None = None, path: str | Path | None = None) -> list[dict]:
+    """RL prompt rows ``{"prompt": question, "answer": final answer, "solution": worked solution}``.
+
+    From the shipped 300-row sample of ``split``, or from ``path`` (a GSM8K ``{"question", "answer"}`` file).
+    """
     if split not in ("train", "test"):
         raise ValueError(f"GSM8K split must be 'train' or 'test', got {split!r}")
     rows = []
-    for row in read_rows(shared_data_dir() / "gsm8k" / f"{split}.jsonl"):
+    for row in read_rows(path or SAMPLES / "gsm8k" / f"{split}.jsonl.gz"):
         if limit is not None and len(rows) >= limit:
             break
         solution = row.data["answer"]
@@ -57,15 +47,16 @@ def split_hh_dialogue(text: str) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-def load_hh_rlhf(limit: int | None = None) -> list[dict]:
+def load_hh_rlhf(limit: int | None = None, path: str | Path | None = None) -> list[dict]:
     """Preference rows ``{"prompt", "chosen", "rejected"}`` from the harmless-base test split.
 
+    From the shipped 300-row sample, or from ``path`` (the full ``harmless-base-test.jsonl.gz``).
     The 5 rows whose two dialogues differ before the last assistant turn have no shared prompt and
     are left out. The rest pass as they are: the 4 with an empty last turn are reported by
     ``load_preferences`` as malformed (or skipped and counted with ``on_malformed="skip"``).
     """
     rows = []
-    for row in read_rows(shared_data_dir() / "hh-rlhf" / "harmless-base-test.jsonl.gz"):
+    for row in read_rows(path or SAMPLES / "hh-rlhf" / "harmless-base-test.jsonl.gz"):
         if limit is not None and len(rows) >= limit:
             break
         prompt, chosen = split_hh_dialogue(row.data["chosen"])

@@ -1,14 +1,20 @@
-"""Reading rows from files and checking them against the four dataset schemas.
+"""Reading rows from files and checking them against the dataset types (TRL's, told apart by columns).
 
-Schemas (one JSON object per row):
+One JSON object per row; text fields hold a string or a list of ``{"role", "content"}`` messages:
 
-    sft          {"prompt": str | messages, "completion": str | messages}   or   {"messages": [...]}
-    preference   {"prompt": str | messages, "chosen": str | messages, "rejected": str | messages}
-    ranking      {"prompt": str | messages, "responses": [best, ..., worst]}   (K ≥ 2, all different)
-    prompt (RL)  {"prompt": str | messages, ...}   every other column is passed to reward functions
+    type                   columns                      trainers
+    language modelling     text                         sft: every token
+    conversational         messages                     sft: every assistant turn
+    prompt-completion      prompt, completion           sft
+    prompt-only            prompt (+ reward columns)    grpo, ppo: other columns go to reward functions
+    explicit preference    prompt, chosen, rejected     dpo, rm
+    implicit preference    chosen, rejected             dpo, rm: their shared start is the prompt
+    ranking                prompt, responses            rm: [best, ..., worst], K ≥ 2, all different
+    unpaired preference    prompt, completion, label    KTO's format: read and rejected (no trainer uses it)
 
-``messages`` is a list of ``{"role": str, "content": str}``. In ``{"messages": [...]}`` rows the last
-message is the assistant's completion and the ones before it are the prompt.
+A ``messages`` conversation must end with the assistant's turn; with one assistant turn it is the
+prompt-completion pair (prompt = the messages before it), with several every one is trained
+(``posttrain.data.formats``).
 
 A malformed row raises ``DataError`` naming the file, the line and the field (PITFALLS #16); with
 ``on_malformed="skip"`` it is skipped and counted instead. Nothing malformed reaches a loss.
@@ -32,14 +38,22 @@ class DataError(ValueError):
         super().__init__(f"{where}: field {field!r}: {message}")
 
 
+class NoUsableRows(ValueError):
+    """A dataset in which no row survives reading, checking and the length limits."""
+
+
 @dataclass
 class Row:
     where: str  # "path:line" (1-based line of a JSONL file, or row number of a JSON/Parquet table)
     data: dict[str, Any]
 
 
-def read_rows(source) -> Iterator[Row]:
-    """Rows of a .jsonl / .jsonl.gz / .json / .parquet file, a ``datasets.Dataset``, or a list of dicts."""
+def read_rows(source, skipped: list[str] | None = None) -> Iterator[Row]:
+    """Rows of a .jsonl / .jsonl.gz / .json / .parquet file, a ``datasets.Dataset``, or a list of dicts.
+
+    A JSONL line that is not UTF-8, not JSON or not an object raises ``DataError`` naming ``file:line``;
+    when ``skipped`` is a list the error is appended to it instead and the line skipped.
+    """
     if isinstance(source, list | tuple):
         for i, data in enumerate(source, start=1):
             yield Row(f"<list>:{i}", data)
@@ -60,30 +74,63 @@ def read_rows(source) -> Iterator[Row]:
             yield Row(f"{path}:{i}", data)
     elif path.suffix == ".jsonl" or suffixes == ".jsonl.gz":
         opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rb") as f:
             for i, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
                 try:
-                    data = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{i}", "<line>", f"not valid JSON ({err.msg})") from err
-                if not isinstance(data, dict):
-                    raise DataError(f"{path}:{i}", "<line>", f"expected a JSON object, got {type(data).__name__}")
-                yield Row(f"{path}:{i}", data)
+                    row = _parse_line(line, f"{path}:{i}")
+                except DataError as err:
+                    if skipped is None:
+                        raise
+                    skipped.append(str(err))
+                    continue
+                if row is not None:
+                    yield row
     elif path.suffix == ".json":
-        table = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            table = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise DataError(str(path), "<file>", f"not UTF-8 (byte {err.start})") from err
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}", "<file>", f"not valid JSON ({err.msg})") from err
         if not isinstance(table, list):
             raise DataError(str(path), "<file>", "a .json data file must hold a list of objects")
         for i, data in enumerate(table, start=1):
+            if not isinstance(data, dict):
+                raise DataError(f"{path}:{i}", "<row>", f"expected a JSON object, got {type(data).__name__}")
             yield Row(f"{path}:{i}", data)
     else:
         raise ValueError(f"unknown data file type {path.name!r}: use .jsonl, .jsonl.gz, .json or .parquet")
 
 
+def _parse_line(line: bytes, where: str) -> Row | None:
+    """One JSONL line as a row; None for a blank line."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(where, "<line>", f"not UTF-8 (byte {err.start}: {line[err.start : err.start + 1]!r})") from err
+    if not text.strip():
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(where, "<line>", f"not valid JSON ({err.msg})") from err
+    if not isinstance(data, dict):
+        raise DataError(where, "<line>", f"expected a JSON object, got {type(data).__name__}")
+    return Row(where, data)
+
+
 # --------------------------------------------------------------------------------------------------
 # Schemas
 # --------------------------------------------------------------------------------------------------
+
+
+def _unicode(row: Row, field: str, text: str) -> str:
+    """``text``, which JSON's escapes may have left holding lone surrogates that no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise DataError(row.where, field, f"not valid Unicode ({err.reason} at character {err.start})") from err
+    return text
 
 
 def _text_or_messages(row: Row, field: str, *, assistant_last: bool = False) -> str | list[dict]:
@@ -93,13 +140,15 @@ def _text_or_messages(row: Row, field: str, *, assistant_last: bool = False) -> 
     if isinstance(value, str):
         if not value.strip():
             raise DataError(row.where, field, "empty text")
-        return value
+        return _unicode(row, field, value)
     if isinstance(value, list) and value:
         for j, message in enumerate(value):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise DataError(row.where, f"{field}[{j}]", "a message must be an object with a string 'role'")
             if not isinstance(message.get("content"), str):
                 raise DataError(row.where, f"{field}[{j}].content", "missing or not a string")
+            _unicode(row, f"{field}[{j}].role", message["role"])
+            _unicode(row, f"{field}[{j}].content", message["content"])
         if assistant_last and value[-1]["role"] != "assistant":
             raise DataError(row.where, f"{field}[-1].role", "the last message must be the assistant's")
         if not value[-1]["content"].strip():
@@ -108,27 +157,77 @@ def _text_or_messages(row: Row, field: str, *, assistant_last: bool = False) -> 
     raise DataError(row.where, field, f"expected a non-empty string or list of messages, got {type(value).__name__}")
 
 
-def check_sft(row: Row) -> tuple[str | list[dict], str | list[dict]]:
-    """(prompt, completion) of an SFT row."""
+UNPAIRED_COLUMNS = {"prompt", "completion", "label"}
+
+
+def reject_unpaired(data: dict, where: str) -> None:
+    """Unpaired preference rows would otherwise pass as SFT or RL prompts with a column ignored."""
+    if UNPAIRED_COLUMNS <= data.keys():
+        raise DataError(
+            where,
+            "label",
+            "an unpaired preference row (prompt, completion, label) is the format of KTO, which posttrain "
+            "does not implement; sft, dpo and rm need prompt/completion or prompt/chosen/rejected rows",
+        )
+
+
+def shared_prompt(chosen, rejected, where: str) -> tuple[str | list[dict], str | list[dict], str | list[dict]]:
+    """(prompt, chosen, rejected) of an implicit preference pair: the prompt is the longest shared start.
+
+    Messages: the shared leading messages. Text: the shared leading characters, cut back to the last
+    whitespace so that no reply starts mid-word (the whitespace goes with the replies, as in TRL).
+    """
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        raise DataError(where, "rejected", "chosen and rejected must both be text or both be messages")
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if isinstance(chosen, str):
+        while n > 0 and not chosen[n - 1].isspace():
+            n -= 1
+        n = len(chosen[:n].rstrip())
+    if n == 0:
+        raise DataError(where, "chosen", "implicit preference: chosen and rejected share no prompt at their start")
+    for field, value in (("chosen", chosen), ("rejected", rejected)):
+        rest = value[n:]
+        if not rest or (isinstance(rest, str) and not rest.strip()):
+            raise DataError(where, field, "implicit preference: nothing follows the prompt shared with the other")
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def check_sft(row: Row) -> tuple[str | list[dict] | None, str | list[dict]]:
+    """(prompt, completion) of an SFT row; prompt None for a row trained throughout (a text or a
+    conversation with several assistant turns)."""
+    reject_unpaired(row.data, row.where)
+    if "text" in row.data and not {"prompt", "messages"} & row.data.keys():
+        text = _text_or_messages(row, "text")
+        if not isinstance(text, str):
+            raise DataError(row.where, "text", "a language-modelling row holds text; use 'messages' for a conversation")
+        return None, text
     if "messages" in row.data:
         messages = _text_or_messages(row, "messages", assistant_last=True)
         if isinstance(messages, str) or len(messages) < 2:
             raise DataError(row.where, "messages", "needs at least one prompt message and the assistant's reply")
+        if sum(m["role"] == "assistant" for m in messages) > 1:
+            return None, messages
         return messages[:-1], messages[-1:]
     return _text_or_messages(row, "prompt"), _text_or_messages(row, "completion")
 
 
 def check_preference(row: Row) -> tuple[str | list[dict], str | list[dict], str | list[dict]]:
-    """(prompt, chosen, rejected) of a preference row; chosen == rejected is an error."""
-    prompt = _text_or_messages(row, "prompt")
+    """(prompt, chosen, rejected) of an explicit or implicit preference row; chosen == rejected is an error."""
+    reject_unpaired(row.data, row.where)
     chosen, rejected = _text_or_messages(row, "chosen"), _text_or_messages(row, "rejected")
     if chosen == rejected:
         raise DataError(row.where, "rejected", "identical to 'chosen': the pair carries no preference")
-    return prompt, chosen, rejected
+    if "prompt" not in row.data:
+        return shared_prompt(chosen, rejected, row.where)
+    return _text_or_messages(row, "prompt"), chosen, rejected
 
 
 def check_ranking(row: Row) -> tuple[str | list[dict], list[str | list[dict]]]:
     """(prompt, responses best first) of a ranking row."""
+    reject_unpaired(row.data, row.where)
     prompt = _text_or_messages(row, "prompt")
     responses = row.data.get("responses")
     if not isinstance(responses, list) or len(responses) < 2:
@@ -144,5 +243,6 @@ def check_ranking(row: Row) -> tuple[str | list[dict], list[str | list[dict]]]:
 
 def check_prompt(row: Row) -> tuple[str | list[dict], dict[str, Any]]:
     """(prompt, other columns) of an RL prompt row."""
+    reject_unpaired(row.data, row.where)
     prompt = _text_or_messages(row, "prompt")
     return prompt, {k: v for k, v in row.data.items() if k != "prompt"}

@@ -213,7 +213,14 @@ def load_policy(config: ModelConfig) -> nn.Module:
 
         lora = {"task_type": "CAUSAL_LM", **config.lora}
         model = disable_dropout(get_peft_model(model, LoraConfig(**lora)))
+        model.peft_config["default"].base_model_name_or_path = adapter_base(config.path)
     return model
+
+
+def adapter_base(path: str) -> str:
+    """The base model path a new adapter stores: absolute for a local folder (a relative one breaks
+    from any other working directory), as given for a Hub id."""
+    return str(Path(path).resolve()) if Path(path).exists() else path
 
 
 def is_peft_model(model: nn.Module) -> bool:

@@ -2,8 +2,9 @@
 
 Layout of ``<output_dir>/checkpoints/step-000120/``:
 
-    hf/<role>/           save_pretrained of each trained model (and the tokenizer): loads without posttrain
-    state/               accelerate ``save_state``: model, optimizer, scheduler, RNG states (every process)
+    hf/<role>/           save_pretrained of each trained model (and the tokenizer): loads without posttrain;
+                         the only copy of the weights, loaded from here on resume (trainers/weights.py)
+    state/               accelerate ``save_state``: optimizer, scheduler, RNG states (every process)
     config.yaml          the resolved config of the run that wrote it
     trainer_state.json   step, epoch, the config's hash and the trainer's own state (e.g. the adaptive KL
                          controller); written last, so a folder without it is a partial checkpoint and is refused
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import torch
 import yaml
+
+from posttrain.trainers.weights import weights_from_hf, weights_left_to_hf
 
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -167,7 +170,8 @@ def save_checkpoint(accelerator, output_dir, step: int, models: dict, tokenizer,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "state"))
+    with weights_left_to_hf(accelerator, models):
+        accelerator.save_state(str(tmp / "state"))
     for role, model in models.items():
         if accelerator.is_main_process:
             accelerator.unwrap_model(model).save_pretrained(tmp / "hf" / role, state_dict=state_dicts[role])
@@ -191,5 +195,6 @@ def load_checkpoint(accelerator, path: Path) -> dict:
     """Restore models, optimizer, scheduler and RNG states from ``path``; returns its trainer state."""
     if not (path / STATE_FILE).is_file():
         raise IncompleteCheckpointError(f"{path} has no {STATE_FILE}: it is a partial checkpoint")
-    accelerator.load_state(str(path / "state"))
+    with weights_from_hf(accelerator, path):
+        accelerator.load_state(str(path / "state"))
     return json.loads((path / STATE_FILE).read_text())

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 SCHEDULERS = ("constant", "linear", "cosine")
-REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
 
@@ -90,7 +90,11 @@ class RunConfig:
     max_nonfinite_steps: int = 3
     """Stop the run after this many optimizer updates in a row skipped for a non-finite loss or gradient norm."""
     report_to: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
-    """Metric sinks: jsonl, tensorboard, wandb, mlflow (the last two when installed)."""
+    """Metric sinks: jsonl, tensorboard, wandb, mlflow, trackio (the last three when installed)."""
+    project: str = "posttrain"
+    """The W&B / trackio project and the MLflow experiment the run is logged under."""
+    name: str | None = None
+    """The run's name in W&B, MLflow and trackio; null = output_dir's name (sft, rm, dpo) or the trainer's."""
     progress: bool = True
     """Show a progress bar with step, ETA and the key metrics."""
     mixed_precision: str = "no"

@@ -368,7 +368,8 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
         enabled=accelerator.is_main_process,
         progress_total=total_steps,
         progress=run.progress,
-        run_name=run_name,
+        run_name=run.name or run_name,
+        project=run.project,
         purge_after=None if run.resume_from is None else (0 if state is None else state["step"]),
     )
     logger.advance(0 if state is None else state["step"])

@@ -1,5 +1,6 @@
-"""Metric sinks: a JSONL file and TensorBoard in the run directory, W&B and MLflow when chosen, and a
-progress bar. Metrics are plain dicts of numbers; nothing here is global state."""
+"""Metric sinks: a JSONL file and TensorBoard in the run directory, W&B, MLflow and trackio when chosen
+(under ``run.project`` / ``run.name``), and a progress bar. Metrics are plain dicts of numbers;
+nothing here is global state."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ class MetricsLogger:
         progress: bool = True,
         run_name: str | None = None,
         purge_after: int | None = None,
+        project: str = "posttrain",
     ):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self._file = None
-        self._tb = self._wandb = self._mlflow = None
+        self._tb = self._wandb = self._mlflow = self._trackio = None
         self._bar = None
         self._shown: dict[str, str] = {}  # the bar keeps a key's last value (eval runs only some steps)
         self._start = time.perf_counter()
@@ -46,15 +48,23 @@ class MetricsLogger:
                 import wandb
             except ImportError as err:
                 raise ImportError("run.report_to includes 'wandb' but wandb is not installed") from err
-            self._wandb = wandb.init(name=run_name, config=config, dir=str(output_dir))
+            self._wandb = wandb.init(project=project, name=run_name, config=config, dir=str(output_dir))
         if "mlflow" in report_to:
             try:
                 import mlflow
             except ImportError as err:
                 raise ImportError("run.report_to includes 'mlflow' but mlflow is not installed") from err
             self._mlflow = mlflow
+            mlflow.set_experiment(project)
             mlflow.start_run(run_name=run_name)
             mlflow.log_params({k: str(v) for k, v in _flatten(config).items()})
+        if "trackio" in report_to:
+            try:
+                import trackio
+            except ImportError as err:
+                raise ImportError("run.report_to includes 'trackio' but trackio is not installed") from err
+            self._trackio = trackio
+            trackio.init(project=project, name=run_name, config=config, auto_log_cpu=False, auto_log_gpu=False)
         if progress and progress_total is not None:
             from tqdm.auto import tqdm
 
@@ -77,6 +87,8 @@ class MetricsLogger:
             self._wandb.log(metrics, step=step)
         if self._mlflow is not None:
             self._mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None}, step=step)
+        if self._trackio is not None:
+            self._trackio.log({k: float(v) for k, v in metrics.items() if v is not None}, step=step)
         if self._bar is not None:
             self._shown.update({k: f"{metrics[k]:.4g}" for k in keys_for_bar if k in metrics})
             self._bar.set_postfix(self._shown, refresh=False)
@@ -94,6 +106,8 @@ class MetricsLogger:
             self._wandb.finish()
         if self._mlflow is not None:
             self._mlflow.end_run()
+        if self._trackio is not None:
+            self._trackio.finish()
         if self._bar is not None:
             self._bar.close()
 

@@ -27,10 +27,11 @@ from posttrain.data import (
     load_prompts,
     load_rankings,
 )
-from posttrain.data.rows import read_rows
+from posttrain.data.datasets import first_row
 from posttrain.models import (
     ModelConfig,
     RewardScorer,
+    adapter_base,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
@@ -160,8 +161,8 @@ def load_ranking_data(config: RMConfig, tokenizer):
     """Rankings (pairs become rankings of K = 2) and the data report."""
     data_format = config.data_format
     if data_format == "auto":
-        first = next(iter(read_rows(config.data.path))).data
-        data_format = "pairs" if "chosen" in first else "rankings"
+        first = first_row(config.data)  # None: load_preferences says the data is empty
+        data_format = "pairs" if first is None or "chosen" in first else "rankings"
     if data_format == "rankings":
         return load_rankings(config.data, tokenizer)
     pairs, report = load_preferences(config.data, tokenizer)
@@ -186,6 +187,7 @@ def train(config: RMConfig, callbacks=()) -> dict:
         model = get_peft_model(
             model, LoraConfig(**{"task_type": "SEQ_CLS", "modules_to_save": ["score"], **config.model.lora})
         )
+        model.peft_config["default"].base_model_name_or_path = adapter_base(config.model.path)
     scorer = RewardScorer(model)  # trained through its forward: DDP synchronises its gradients
     task = RMTask(tokenizer.pad_token_id, config.margin, config.center_coef)
     result = run_offline(
