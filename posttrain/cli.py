@@ -4,6 +4,7 @@ posttrain sft --config examples/sft_tiny.yaml run.max_steps=50 optim.lr=1e-4
 posttrain rm  --config examples/rm_tiny.yaml
 posttrain dpo --help          # every option, its default and its doc
 posttrain tiny --out runs/tiny   # build the tiny offline models the examples use
+posttrain vllm-serve --model PATH   # a vLLM server for rollout.mode=server
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True, help="folder to write policy/ and reward/ into")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    serve = sub.add_parser("vllm-serve", help="serve rollouts from vLLM to trainers with rollout.mode=server")
+    serve.add_argument("--model", required=True, help="checkpoint folder (the policy's starting weights)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start)")
+    serve.add_argument("--dtype", default="auto", help="vLLM weight dtype: auto, float32, bfloat16, float16")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs")
+    serve.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -91,6 +100,19 @@ def main(argv: list[str] | None = None) -> int:
         for kind, folder in (("causal", "policy"), ("reward", "reward")):
             path = build_tiny(os.path.join(args.out, folder), kind=kind, arch=args.arch, seed=args.seed)
             print(f"wrote {path}")
+        return 0
+    if args.command == "vllm-serve":
+        from posttrain.rollout.vllm_server import serve
+
+        serve(
+            args.model,
+            args.host,
+            args.port,
+            dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=args.enforce_eager,
+            seed=args.seed,
+        )
         return 0
     module_name, class_name, _ = TRAINERS[args.command]
     module = importlib.import_module(module_name)
