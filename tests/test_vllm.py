@@ -189,3 +189,36 @@ def test_grpo_three_steps_against_a_vllm_server_then_a_clear_error_when_it_is_go
     process.wait()
     with pytest.raises(VLLMServerError, match="did not answer /generate"):
         trainer.engine.generate(_prompts(trainer.tokenizer), PARAMS, n=2)
+
+
+def test_ppo_two_steps_with_colocated_vllm(tiny_dir, tmp_path):
+    from posttrain.trainers.config import load_config
+    from posttrain.trainers.metrics import read_metrics
+    from posttrain.trainers.ppo import PPOConfig, train
+
+    config = load_config(
+        PPOConfig,
+        None,
+        [
+            f"model.path={tiny_dir / 'policy'}",
+            f"data.path={_digit_prompts(tmp_path)}",
+            "data.chat_template=never",
+            f"run.output_dir={tmp_path / 'ppo'}",
+            "run.progress=false",
+            "run.report_to=[jsonl]",
+            "rewards=[{function: 'posttrain.rewards.length:per_token_length', kwargs: {per_token: 0.1}}]",
+            "critic=policy",
+            "sampling.max_new_tokens=6",
+            "run.batch_size=8",
+            "run.max_steps=2",
+            "ppo_epochs=2",
+            "optim.lr=1e-2",
+            "rollout.engine=vllm",
+            "rollout.dtype=float32",
+            "rollout.enforce_eager=true",
+        ],
+    )
+    train(config)
+    rows = read_metrics(config.run.output_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows)  # step 2 sampled the stepped policy
