@@ -53,7 +53,7 @@ def grpo(args, out: Path, clock: common.StepClock) -> dict:
     from posttrain.data import DataConfig
     from posttrain.models import ModelConfig
     from posttrain.rewards import RewardSpec
-    from posttrain.rollout import SamplingParams
+    from posttrain.rollout import RolloutConfig, SamplingParams
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
     prompts = common.write_jsonl(common.arithmetic_prompts(args.num_prompts, args.seed), out / "prompts.jsonl")
@@ -71,7 +71,7 @@ def grpo(args, out: Path, clock: common.StepClock) -> dict:
         kl_estimator="k3",
         loss_agg="token-mean",
         log_completions=0,
-        **({"rollout_engine": args.engine} if args.engine else {}),
+        **({"rollout": RolloutConfig(engine=args.engine)} if args.engine else {}),
     )
     t = time.perf_counter()
     trainer = GRPOTrainer(config)

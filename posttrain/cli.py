@@ -6,6 +6,7 @@ posttrain dpo --help          # every option, its default and its doc
 posttrain tiny --out runs/tiny   # build the tiny offline models the examples use
 posttrain eval --model runs/grpo/final/policy --data prompts.jsonl --rewards posttrain.rewards.builtin:exact_answer
 posttrain report runs/grpo runs/ppo --out report.html
+posttrain vllm-serve --model PATH   # a vLLM server for rollout.mode=server
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
     report.add_argument(
         "--out", help="HTML file to write (default: RUN_DIR/report.html for one run, else ./report.html)"
     )
+    serve = sub.add_parser("vllm-serve", help="serve rollouts from vLLM to trainers with rollout.mode=server")
+    serve.add_argument("--model", required=True, help="checkpoint folder (the policy's starting weights)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start)")
+    serve.add_argument("--dtype", default="auto", help="vLLM weight dtype: auto, float32, bfloat16, float16")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs")
+    serve.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -184,6 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         from posttrain.monitor.report import write_report
 
         print(f"wrote {write_report(args.runs, args.out)}")
+        return 0
+    if args.command == "vllm-serve":
+        from posttrain.rollout.vllm_server import serve
+
+        serve(
+            args.model,
+            args.host,
+            args.port,
+            dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=args.enforce_eager,
+            seed=args.seed,
+        )
         return 0
     module_name, class_name, _ = TRAINERS[args.command]
     module = importlib.import_module(module_name)

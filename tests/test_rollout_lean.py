@@ -176,7 +176,7 @@ def test_online_trainers_with_the_lean_engine_start_on_policy_and_time_every_pha
         "rewards=[{function: 'posttrain.rewards.builtin:starts_with_answer'}]",
         "sampling.max_new_tokens=6",
         "sampling.temperature=0.7",
-        "rollout_engine=lean",
+        "rollout.engine=lean",
     ]
     if trainer == "grpo":
         from posttrain.trainers.grpo import GRPOConfig as Config

@@ -16,6 +16,7 @@ mask is 0 may hold anything, NaN and inf included: every function here selects w
 """
 
 from posttrain.core.advantages import gae, group_advantages, rloo_advantages, shape_rewards
+from posttrain.core.importance import IMPORTANCE_LEVELS, truncated_importance_weights
 from posttrain.core.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_penalty
 from posttrain.core.logprobs import entropy_from_logits, token_logprobs
 from posttrain.core.losses import (
@@ -42,6 +43,7 @@ from posttrain.core.masks import (
 __all__ = [
     "AGGREGATION_MODES",
     "DPO_KINDS",
+    "IMPORTANCE_LEVELS",
     "KL_ESTIMATORS",
     "adaptive_kl_coef",
     "aggregate_loss",
@@ -63,6 +65,7 @@ __all__ = [
     "rloo_advantages",
     "shape_rewards",
     "token_logprobs",
+    "truncated_importance_weights",
     "value_loss",
     "zero_masked",
 ]

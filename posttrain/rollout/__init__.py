@@ -1,4 +1,4 @@
-"""posttrain.rollout: sampling responses from the policy (transformers generate, the lean loop; vLLM on GPUs)."""
+"""posttrain.rollout: sampling responses (transformers generate, the lean loop; vLLM colocated or as a server)."""
 
 from posttrain.rollout.base import (
     Rollout,
@@ -8,18 +8,18 @@ from posttrain.rollout.base import (
     left_pad,
     response_mask_from_ends,
 )
+from posttrain.rollout.engines import RolloutConfig, build_engine
 from posttrain.rollout.hf import HFEngine, eos_token_ids
 from posttrain.rollout.lean import LeanEngine
 
-ROLLOUT_ENGINES = {"hf": HFEngine, "lean": LeanEngine}
-
 __all__ = [
-    "ROLLOUT_ENGINES",
     "HFEngine",
     "LeanEngine",
     "Rollout",
+    "RolloutConfig",
     "RolloutEngine",
     "SamplingParams",
+    "build_engine",
     "concat_rollouts",
     "eos_token_ids",
     "left_pad",

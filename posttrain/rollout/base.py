@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -173,9 +175,22 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
 
 
 class RolloutEngine(Protocol):
-    """Samples ``n`` responses to each prompt. Prompts are token-id lists (already templated)."""
+    """What the trainers use to sample, and nothing else. Prompts are token-id lists (already templated).
+
+    A trainer wraps each ``generate`` in ``generating(policy)`` (gather sharded parameters, wake a
+    sleeping engine; release after) and calls ``sync_weights(policy)`` once the optimizer has changed
+    the policy, before the next rollout.
+    """
+
+    logprobs_exact: bool
+    """True when ``Rollout.logprobs`` are the training forward's log-probs (same weights, same kernels):
+    the trainer then uses them as the old log-probs; otherwise it recomputes them and compares."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Rollout: ...
+
+    def sync_weights(self, policy: nn.Module) -> None: ...
+
+    def generating(self, policy: nn.Module) -> AbstractContextManager: ...
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

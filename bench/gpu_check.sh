@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One short run per (trainer, engine) on the GPUs of this machine: bf16 GRPO and PPO steps under
+# accelerate's DeepSpeed ZeRO-2 and FSDP2 configs (examples/accelerate/), plus GRPO with a colocated
+# vLLM when vLLM is installed. Writes bench/results/gpu_check-<UTC date>.jsonl: one line per case
+# with its exit status, wall time and last metrics line. Record the outcome with the date in
+# bench/README.md.
+#
+#   bash bench/gpu_check.sh            # every visible GPU
+#   NPROC=2 bash bench/gpu_check.sh    # two of them
+set -u
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+NPROC=${NPROC:-$($PY -c "import torch; print(max(1, torch.cuda.device_count()))")}
+STAMP=$(date -u +%Y-%m-%dT%H%M%SZ)
+WORK=$(mktemp -d)
+OUT=bench/results/gpu_check-$STAMP.jsonl
+mkdir -p bench/results
+export HF_HUB_OFFLINE=1
+
+$PY -m posttrain.cli tiny --out "$WORK/tiny" >/dev/null
+$PY - "$WORK" <<'EOF'
+import json, sys
+from posttrain.data.synthetic import arithmetic_sft
+rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(256, seed=0, low=0, high=9)]
+open(f"{sys.argv[1]}/prompts.jsonl", "w").write("".join(json.dumps(r) + "\n" for r in rows))
+EOF
+
+COMMON=(
+  "model.path=$WORK/tiny/policy" "data.path=$WORK/prompts.jsonl" data.chat_template=never
+  run.mixed_precision=bf16 run.max_steps=2 "run.batch_size=$((8 * NPROC))" run.micro_batch_size=4
+  run.progress=false "run.report_to=[jsonl]" sampling.max_new_tokens=8
+  "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]"
+)
+GRPO=(num_generations=4)
+PPO=("reward_model.path=$WORK/tiny/reward" ppo_epochs=1)
+
+run_case() {  # name, accelerate config (or "none"), trainer, extra args...
+  local name=$1 config=$2 trainer=$3; shift 3
+  local dir=$WORK/$name start=$SECONDS
+  local launch=($PY -m accelerate.commands.launch --num_processes "$NPROC")
+  [ "$config" != none ] && launch+=(--config_file "examples/accelerate/$config.yaml")
+  "${launch[@]}" -m posttrain.cli "$trainer" "${COMMON[@]}" "$@" "run.output_dir=$dir" >"$dir.log" 2>&1
+  local rc=$?
+  local last
+  last=$(tail -n 1 "$dir/metrics.jsonl" 2>/dev/null || echo null)
+  echo "{\"case\": \"$name\", \"gpus\": $NPROC, \"rc\": $rc, \"seconds\": $((SECONDS - start)), \"last\": $last}" >>"$OUT"
+  echo "$name: rc=$rc ($((SECONDS - start)) s)  log: $dir.log"
+}
+
+run_case grpo-ddp none grpo "${GRPO[@]}"
+run_case grpo-zero2 zero2 grpo "${GRPO[@]}"
+run_case grpo-fsdp2 fsdp2 grpo "${GRPO[@]}"
+run_case ppo-ddp none ppo "${PPO[@]}"
+run_case ppo-zero2 zero2 ppo "${PPO[@]}"
+run_case ppo-fsdp2 fsdp2 ppo "${PPO[@]}"
+if $PY -c "import vllm" 2>/dev/null; then
+  NPROC=1 run_case grpo-vllm-colocate none grpo "${GRPO[@]}" rollout.engine=vllm rollout.sleep=true
+fi
+echo "results: $OUT"

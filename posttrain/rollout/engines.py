@@ -1,0 +1,110 @@
+"""Which rollout engine a run samples with (``rollout.engine``, ``rollout.mode``), built in one place.
+
+Engines register a builder in ``BUILDERS``; the trainers call ``build_engine`` and then only use the
+``RolloutEngine`` protocol (``generate``, ``sync_weights``, ``generating``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from posttrain.rollout.base import RolloutEngine
+from posttrain.rollout.hf import HFEngine
+from posttrain.rollout.lean import LeanEngine
+
+MODES = ("colocate", "server")
+IMPORTANCE_SAMPLING = ("none", "token", "sequence")
+
+
+@dataclass
+class RolloutConfig:
+    """The engine that samples the rollouts, and how its log-probs are reconciled with the trainer's."""
+
+    engine: str = "hf"
+    """hf (transformers generate on the trained module), lean (posttrain's decode loop: the same distribution
+    and log-probs, faster on CPUs and small models) or vllm (optional extra, see docs/scaling.md)."""
+    mode: str = "colocate"
+    """colocate (the engine lives in the training process) or server (a `posttrain vllm-serve` process)."""
+    server_url: str = "http://127.0.0.1:8000"
+    """Where `posttrain vllm-serve` listens (mode=server)."""
+    server_timeout: float = 300.0
+    """Seconds to wait for the server's answer to one request before the run fails (mode=server)."""
+    gpu_memory_utilization: float = 0.3
+    """vLLM's share of the accelerator's memory (weights + KV cache) when colocated."""
+    dtype: str = "auto"
+    """vLLM's weight dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
+    enforce_eager: bool = False
+    """vLLM without torch.compile / CUDA graphs: starts in seconds instead of minutes, samples slower."""
+    sleep: bool = False
+    """Put vLLM to sleep between rollouts (frees its KV cache and weights for training; GPU only)."""
+    importance_sampling: str = "none"
+    """Correct the sampler/trainer mismatch with truncated importance sampling: none, token or sequence."""
+    importance_cap: float = 2.0
+    """Cap C of the truncated importance weight min(π_old/π_sampler, C)."""
+
+    def validate(self, name: str = "rollout") -> None:
+        choices = {"engine": tuple(BUILDERS), "mode": MODES, "importance_sampling": IMPORTANCE_SAMPLING}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{name}.{key} must be one of {allowed}, got {getattr(self, key)!r}")
+        if self.mode == "server" and self.engine != "vllm":
+            raise ValueError(f"{name}.mode=server needs {name}.engine=vllm (the server is `posttrain vllm-serve`)")
+        for key in ("sleep", "enforce_eager", "importance_sampling"):
+            if getattr(self, key) not in (False, "none") and self.engine != "vllm":
+                raise ValueError(f"{name}.{key} applies to {name}.engine=vllm only, got engine={self.engine}")
+        if self.importance_cap < 1:
+            raise ValueError(f"{name}.importance_cap must be >= 1, got {self.importance_cap}")
+        if self.server_timeout <= 0 or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{name}.server_timeout must be > 0 and {name}.gpu_memory_utilization in (0, 1]")
+
+    def describe(self) -> str:
+        """The one line printed at start."""
+        out = f"engine={self.engine} mode={self.mode}"
+        if self.mode == "server":
+            out += f" url={self.server_url} timeout={self.server_timeout:g}s"
+        if self.importance_sampling != "none":
+            out += f" importance_sampling={self.importance_sampling} cap={self.importance_cap:g}"
+        return out
+
+
+def _hf(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, seed: int) -> RolloutEngine:
+    return HFEngine(policy, tokenizer)
+
+
+def _lean(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, seed: int) -> RolloutEngine:
+    return LeanEngine(policy, tokenizer)
+
+
+def _vllm(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, seed: int) -> RolloutEngine:
+    if config.mode == "server":
+        from posttrain.rollout.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(config.server_url, tokenizer, config.server_timeout)
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # one engine per rank would need vLLM's external launcher (one device per rank); not built yet
+        raise ValueError("rollout.mode=colocate with vLLM runs in one process; use rollout.mode=server with several")
+    from posttrain.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(
+        model_path,
+        tokenizer,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        dtype=config.dtype,
+        seed=seed,
+        enforce_eager=config.enforce_eager,
+        sleep=config.sleep,
+    )
+
+
+BUILDERS: dict[str, Callable[..., RolloutEngine]] = {"hf": _hf, "lean": _lean, "vllm": _vllm}
+"""rollout.engine → builder(config, policy, tokenizer, model_path, seed)."""
+
+
+def build_engine(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, seed: int) -> RolloutEngine:
+    """The engine ``config`` names, sampling from ``policy`` (the unwrapped trained module)."""
+    return BUILDERS[config.engine](config, policy, tokenizer, model_path, seed)
