@@ -193,6 +193,7 @@ def test_online_trainers_with_the_lean_engine_start_on_policy_and_time_every_pha
     for record in read_metrics(config.run.output_dir):
         assert abs(record["policy/first_minibatch_ratio_max"] - 1) < 1e-5
         assert abs(record["policy/first_minibatch_ratio_min"] - 1) < 1e-5
-        phases = ["generate", "reward", "reference", "train"] + (["values"] if trainer == "ppo" else [])
+        phases = ["generate", "old_logprobs", "reward", "reference", "train", "sync_weights"]
+        phases += ["values"] if trainer == "ppo" else []
         parts = sum(record[f"time/{p}"] for p in phases)
         assert record["time/other"] >= 0 and abs(parts + record["time/other"] - record["time/step"]) < 1e-9
