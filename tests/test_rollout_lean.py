@@ -82,7 +82,9 @@ def test_every_row_stopping_early_shortens_the_rollout_as_generate_does(model, t
 )
 def test_logprobs_equal_the_training_forward(model, tokenizer, params):
     torch.manual_seed(0)
+    mode = model.training
     rollout = LeanEngine(model, tokenizer).generate(_prompts(tokenizer), params, n=3)
+    assert model.training is mode  # generate restores the mode it found
     with torch.no_grad():
         recomputed, _ = response_logprobs(
             model, rollout.input_ids, rollout.attention_mask, rollout.response_length, params.logprob_temperature
@@ -90,7 +92,6 @@ def test_logprobs_equal_the_training_forward(model, tokenizer, params):
     mask = rollout.response_mask.bool()
     assert (recomputed - rollout.logprobs)[mask].abs().max() < 1e-5
     assert (rollout.logprobs[~mask] == 0).all()
-    assert model.training is False  # load_causal_lm gives an eval model; generate restores the mode it found
 
 
 def test_lora_policy_falls_back_to_the_model_forward_and_stays_exact(policy_config, tokenizer):
