@@ -166,7 +166,8 @@ class PPOConfig:
     """Sampler: hf (transformers generate, any model) or lean (posttrain's decode loop, faster on CPUs and
     small models: the same distribution and log-probs, prompts prefilled once per group)."""
     max_unscored_steps: int = 3
-    """Stop after this many steps in a row in which no reward function scored any sample (0 = never)."""
+    """Stop after this many steps in a row in which no reward function scored any sample (0 = never;
+    not checked with a reward_model, which scores every sample)."""
 
     def validate(self) -> None:
         validate_sections(self)
@@ -238,7 +239,11 @@ class PPOTrainer:
                 replace(config.reward_model, device=config.reward_device or str(acc.device))
             )
         self.reward_functions = (
-            RewardComposer.from_specs(config.rewards, self.tokenizer, config.max_unscored_steps)
+            RewardComposer.from_specs(
+                config.rewards,
+                self.tokenizer,
+                None if config.reward_model else config.max_unscored_steps,  # the RM scores every sample
+            )
             if config.rewards
             else None
         )
