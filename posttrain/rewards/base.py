@@ -224,14 +224,15 @@ class RewardComposer:
     """A weighted sum of reward functions, each run under a timeout and each component kept for logging.
 
     ``max_unscored_steps``: stop after this many calls in a row in which no function scored any
-    sample (every value None: nothing is learned from such a batch); 0 never stops."""
+    sample (every value None: nothing is learned from such a batch), warning before; 0 only warns,
+    None checks nothing (another reward, a reward model, scores every sample)."""
 
     def __init__(
         self,
         functions: list[tuple[str, RewardFunction, float]],
         specs: list[RewardSpec] | None = None,
         tokenizer=None,
-        max_unscored_steps: int = 3,
+        max_unscored_steps: int | None = 3,
     ):
         if not functions:
             raise ValueError("at least one reward function is needed")
@@ -248,7 +249,7 @@ class RewardComposer:
         self.unscored_steps = 0
 
     @classmethod
-    def from_specs(cls, specs: list[RewardSpec], tokenizer=None, max_unscored_steps: int = 3) -> RewardComposer:
+    def from_specs(cls, specs: list[RewardSpec], tokenizer=None, max_unscored_steps: int | None = 3) -> RewardComposer:
         functions = []
         for spec in specs:
             fn = load_reward_function(spec.function)
@@ -345,6 +346,8 @@ class RewardComposer:
         return RewardOutput(total, components, self.fault_counts())
 
     def _count_unscored(self, scored: int, B: int) -> None:
+        if self.max_unscored_steps is None:
+            return
         if scored or not B:
             self.unscored_steps = 0
             return

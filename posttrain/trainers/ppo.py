@@ -168,7 +168,8 @@ class PPOConfig:
     log_completions: int = 4
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
     max_unscored_steps: int = 3
-    """Stop after this many steps in a row in which no reward function scored any sample (0 = never)."""
+    """Stop after this many steps in a row in which no reward function scored any sample (0 = never;
+    not checked with a reward_model, which scores every sample)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (eval.path or data.eval_fraction) every run.eval_every steps and at the end."""
     alerts: AlertConfig = field(default_factory=AlertConfig)
@@ -242,7 +243,11 @@ class PPOTrainer:
                 replace(config.reward_model, device=config.reward_device or str(acc.device))
             )
         self.reward_functions = (
-            RewardComposer.from_specs(config.rewards, self.tokenizer, config.max_unscored_steps)
+            RewardComposer.from_specs(
+                config.rewards,
+                self.tokenizer,
+                None if config.reward_model else config.max_unscored_steps,  # the RM scores every sample
+            )
             if config.rewards
             else None
         )

@@ -3,6 +3,7 @@ values that are not numbers, calls that hang, and rewards that never apply."""
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -135,6 +136,11 @@ def test_a_reward_that_never_applies_warns_then_stops():
         composer(["p"] * 2, ["c"] * 2, {})
     with pytest.raises(RewardError):
         composer(["p"] * 2, ["c"] * 2, {})
+    unchecked = _composer(("never", never, 1.0), max_unscored_steps=None)  # PPO with a reward model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(5):
+            unchecked(["p"] * 2, ["c"] * 2, {})
 
 
 def test_grpo_with_a_never_applicable_reward_logs_nan_and_stops(tiny_dir, tmp_path):
