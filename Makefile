@@ -48,7 +48,7 @@ else
 endif
 
 # posttrain against TRL on the same work (bench/README.md); its own environment, .venv-bench.
-# TRL_BENCH: the TRL CPU bench folder (bench/run.sh names its default); ROUNDS: interleaved rounds.
+# TRL_BENCH: the TRL CPU bench folder (required; not part of this repository); ROUNDS: interleaved rounds.
 ROUNDS ?= 3
 bench:
 	bench/run.sh $(ROUNDS) $(TRL_BENCH)

@@ -2,7 +2,7 @@
 # posttrain against TRL on the same work, interleaved: for every round, every bench and every model size,
 # one TRL run and one posttrain run (the order alternates between rounds), each after a calibration.
 #
-#   bench/run.sh [ROUNDS] [TRL_BENCH_DIR]       # defaults: 3, ../shared/bench/trl (next to the checkout)
+#   bench/run.sh [ROUNDS] TRL_BENCH_DIR         # ROUNDS defaults to 3; the TRL CPU bench folder is required
 #
 # Environment:
 #   BENCHES  grpo dpo rm grpo_large (default: all four)
@@ -18,7 +18,7 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ROUNDS=${1:-3}
-TRL=${2:-$ROOT/../shared/bench/trl}
+TRL=${2:-${TRL_BENCH:-}}
 BENCHES=${BENCHES:-grpo dpo rm grpo_large}
 SIZES=${SIZES:-tiny small}
 THREADS=${THREADS:-2}
