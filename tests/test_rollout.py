@@ -150,22 +150,6 @@ def test_sampling_params_validation_names_the_field():
             SamplingParams(**bad).validate()
 
 
-def test_vllm_engine_needs_vllm_and_a_gpu(tiny_dir, tokenizer):
-    pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM needs a GPU")
-    from posttrain.rollout.vllm_engine import VLLMEngine
-
-    engine = VLLMEngine(str(tiny_dir / "policy"), tokenizer, dtype="float32")
-    policy = load_causal_lm(ModelConfig(path=str(tiny_dir / "policy"), device="cuda"))
-    engine.load_weights(policy)
-    rollout = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=8, temperature=0.7), n=2)
-    assert len(rollout) == 4 and rollout.logprobs is None
-    with torch.no_grad():
-        lp, _ = response_logprobs(policy, rollout.input_ids.cuda(), rollout.attention_mask.cuda(), 8, 0.7)
-    assert torch.isfinite(lp).all()
-
-
 def _first_tokens(model, tokenizer, prompt, n, temperature):
     """(distinct first tokens among ``n`` samples, their expected number under the full softmax)."""
     torch.manual_seed(0)
