@@ -1,16 +1,17 @@
 """The plumbing every trainer shares, written once: accelerate, data order, the optimizer step with
 globally normalised gradient accumulation, evaluation, logging and checkpoints.
 
-Loss normalisation (PITFALLS #1): a task returns the *sum* of its per-unit losses over a micro-batch
-(units are completion tokens for SFT, pairs for DPO, rankings for reward models) and the number of
-units. Before the first micro-batch the loop knows the step's global unit count N (all micro-batches,
-all processes), and back-propagates Σ loss / N from each micro-batch, times the number of processes
-because DDP averages gradients over them. One optimizer step is then the gradient of the mean over
-all units of the step, whatever the split into micro-batches, accumulation steps or processes.
+Loss normalisation (docs/pitfalls.md #1): a task returns the *sum* of its per-unit losses over a
+micro-batch (units are completion tokens for SFT, pairs for DPO, rankings for reward models) and the
+number of units. Before the first micro-batch the loop knows the step's global unit count N (all
+micro-batches, all processes); ``backward_share`` back-propagates each micro-batch's loss as its share
+of the mean over those N units. One optimizer step is then the gradient of the mean over all units of
+the step, whatever the split into micro-batches, accumulation steps or processes. The online trainers
+(``online.train_minibatch``) normalise through the same function.
 
 Data order: step k of epoch e reads positions [k·B, (k+1)·B) of a permutation drawn from
 ``seed + e``. The position in the data is therefore a function of the step alone, and a resumed run
-reads exactly the batches an uninterrupted one would (PITFALLS #13).
+reads exactly the batches an uninterrupted one would (docs/pitfalls.md #13).
 """
 
 from __future__ import annotations
@@ -140,6 +141,24 @@ class Trainable:
     saved: dict[str, torch.nn.Module]
 
 
+def backward_share(accelerator, loss: torch.Tensor, local_units: float, global_units: float) -> float:
+    """Back-propagate a micro-batch's ``loss`` — its mean over its ``local_units`` loss units — as its share
+    of the mean over all ``global_units`` units of the step (every micro-batch of every process):
+
+        ∇ (loss · local_units · world / global_units)
+
+    × world because DDP averages the gradients of the processes. Summed over micro-batches and
+    processes, the gradient is that of the global mean, whatever the split into micro-batches,
+    accumulation steps or processes (docs/pitfalls.md #1). The one loss normalisation of every trainer:
+    ``run_offline`` (SFT, RM, DPO) and ``online.train_minibatch`` (PPO, GRPO) call it.
+
+    Returns the weight local_units · world / global_units (the micro-batch's weight in the step's means).
+    """
+    weight = float(local_units) * accelerator.num_processes / max(float(global_units), 1.0)
+    accelerator.backward(loss * weight)
+    return weight
+
+
 def run_offline(
     task: Task,
     trainable: Trainable,
@@ -153,91 +172,46 @@ def run_offline(
 ) -> dict:
     """Train ``trainable.model`` on ``task``; returns {"final_metrics", "eval_metrics", "output_dir"}."""
     run: RunConfig = config.run
-    world = accelerator.num_processes
-    if run.batch_size % world or (run.batch_size // world) % min(run.micro_batch_size, run.batch_size // world):
-        raise ValueError(
-            f"run.batch_size={run.batch_size} must split evenly over {world} process(es) and then into "
-            f"micro-batches of run.micro_batch_size={run.micro_batch_size}"
-        )
-    per_process = run.batch_size // world
-    micro = min(run.micro_batch_size, per_process)
+    per_process, micro = _per_process_batch(run, accelerator.num_processes)
     schedule = StepSchedule(len(train_examples), run.batch_size, run.seed)
     if schedule.steps_per_epoch < 1:
         raise ValueError(f"run.batch_size={run.batch_size} is larger than the {len(train_examples)} training examples")
     total_steps = run.max_steps or max(1, math.ceil(run.epochs * schedule.steps_per_epoch))
 
-    model = trainable.model
     optimizer, scheduler = build_optimizer(
-        [p for p in model.parameters() if p.requires_grad], config.optim, total_steps
+        [p for p in trainable.model.parameters() if p.requires_grad], config.optim, total_steps
     )
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = accelerator.prepare(trainable.model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     saved = {role: (model if m is trainable.model else m) for role, m in trainable.saved.items()}
-
     state, logger = start_run(accelerator, config, total_steps, Path(run.output_dir).name)
-    start_step = 0 if state is None else state["step"]
-    device = accelerator.device
-
-    def evaluate() -> dict[str, float]:
-        model.eval()
-        sums, count = {}, 0
-        mine = eval_examples[accelerator.process_index :: world]
-        with torch.no_grad():
-            for i in range(0, len(mine), micro):
-                batch = task.collate(mine[i : i + micro])
-                count += task.count(batch)
-                _, batch_sums = task.loss(model, batch.to(device))
-                for k, v in batch_sums.items():
-                    sums[k] = sums.get(k, 0.0) + v.detach()
-        model.train()
-        totals = _reduce(accelerator, sums, count)
-        return {f"eval/{k}": v for k, v in task.finalize(*totals).items()}
-
+    guard = NonFiniteGuard(accelerator, run, model=next(iter(trainable.saved)))
     metrics: dict[str, float] = {}
     eval_metrics: dict[str, float] = {}
-    guard = NonFiniteGuard(accelerator, run, model=next(iter(trainable.saved)))
     model.train()
-    for step in range(start_step, total_steps):
+    for step in range(0 if state is None else state["step"], total_steps):
         t0 = time.perf_counter()
         indices = schedule.indices(step)[accelerator.process_index * per_process :][:per_process]
         batches = [
             task.collate([train_examples[i] for i in indices[j : j + micro]]) for j in range(0, per_process, micro)
         ]
-        local = torch.tensor(float(sum(task.count(b) for b in batches)), device=device)
-        global_count = accelerator.reduce(local, reduction="sum").clamp(min=1)
-        sums: dict[str, torch.Tensor] = {}
-        tokens, step_loss = 0, torch.zeros((), device=device)
-        for k, batch in enumerate(batches):
-            sync = contextlib.nullcontext() if k == len(batches) - 1 else accelerator.no_sync(model)
-            with sync:
-                loss_sum, batch_sums = task.loss(model, batch.to(device))
-                accelerator.backward(loss_sum * world / global_count)
-            tokens += batch.num_tokens
-            step_loss = step_loss + loss_sum.detach()
-            for name, value in batch_sums.items():
-                sums[name] = sums.get(name, 0.0) + value.detach()
-        step_loss = float(accelerator.reduce(step_loss, reduction="sum"))
+        totals, step_loss = accumulate_gradients(accelerator, task, model, batches)
         grad_norm = optimizer_step(
             accelerator, model, optimizer, scheduler, config.optim.max_grad_norm, guard, step + 1, step_loss
         )
-
-        done = step + 1
-        totals = _reduce(accelerator, {**sums, "tokens": torch.tensor(float(tokens), device=device)}, local.item())
-        seconds = time.perf_counter() - t0
-        metrics = task.finalize(*totals)
-        metrics.update(
-            {
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm,
-                "tokens_per_s": totals[0]["tokens"] / seconds,
-                "samples_per_s": run.batch_size / seconds,
-                "time/step": seconds,
-                "epoch": done / schedule.steps_per_epoch,
-                "train/nonfinite_skips": guard.skips,
-            }
-        )
+        done, seconds = step + 1, time.perf_counter() - t0
+        metrics = {
+            **task.finalize(*totals),
+            "lr": scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tokens_per_s": totals[0]["tokens"] / seconds,
+            "samples_per_s": run.batch_size / seconds,
+            "time/step": seconds,
+            "epoch": done / schedule.steps_per_epoch,
+            "train/nonfinite_skips": guard.skips,
+        }
         if eval_examples and run.eval_every and done % run.eval_every == 0 and done < total_steps:
-            eval_metrics = evaluate()
+            eval_metrics = evaluate_offline(accelerator, task, model, eval_examples, micro)
             metrics.update(eval_metrics)
         if done % run.log_every == 0 or done == total_steps:
             logger.log(done, metrics, bar_keys)
@@ -250,7 +224,7 @@ def run_offline(
             callback(done, metrics)
 
     if eval_examples:
-        eval_metrics = evaluate()
+        eval_metrics = evaluate_offline(accelerator, task, model, eval_examples, micro)
         logger.log(total_steps, eval_metrics)
     logger.close()
     save_final(accelerator, run.output_dir, saved, tokenizer)
@@ -259,8 +233,65 @@ def run_offline(
         "eval_metrics": eval_metrics,
         "output_dir": run.output_dir,
         "steps": total_steps,
-        "processes": world,
+        "processes": accelerator.num_processes,
     }
+
+
+def _per_process_batch(run: RunConfig, world: int) -> tuple[int, int]:
+    """(examples per process per step, micro-batch size); a batch that does not split evenly fails here."""
+    if run.batch_size % world or (run.batch_size // world) % min(run.micro_batch_size, run.batch_size // world):
+        raise ValueError(
+            f"run.batch_size={run.batch_size} must split evenly over {world} process(es) and then into "
+            f"micro-batches of run.micro_batch_size={run.micro_batch_size}"
+        )
+    per_process = run.batch_size // world
+    return per_process, min(run.micro_batch_size, per_process)
+
+
+def accumulate_gradients(accelerator, task: Task, model, batches: list) -> tuple[tuple[dict[str, float], int], float]:
+    """Forward and backward of this process's micro-batches of one step, each loss weighted by
+    ``backward_share`` (gradients synchronised on the last micro-batch only).
+
+    Returns ((the step's summed metrics over all processes, its unit count), the step's mean loss over
+    all processes, for the non-finite guard)."""
+    device = accelerator.device
+    counts = [task.count(b) for b in batches]
+    global_count = global_sum(accelerator, sum(counts))
+    sums: dict[str, torch.Tensor] = {}
+    tokens, step_loss = 0, torch.zeros((), device=device)
+    for k, (batch, count) in enumerate(zip(batches, counts, strict=True)):
+        with contextlib.nullcontext() if k == len(batches) - 1 else accelerator.no_sync(model):
+            loss_sum, batch_sums = task.loss(model, batch.to(device))
+            weight = backward_share(accelerator, loss_sum / max(count, 1), count, global_count)
+        tokens += batch.num_tokens
+        step_loss = step_loss + loss_sum.detach() * weight / max(count, 1)
+        for name, value in batch_sums.items():
+            sums[name] = sums.get(name, 0.0) + value.detach()
+    step_loss = float(accelerator.reduce(step_loss, reduction="sum")) / accelerator.num_processes
+    totals = _reduce(accelerator, {**sums, "tokens": torch.tensor(float(tokens), device=device)}, sum(counts))
+    return totals, step_loss
+
+
+def evaluate_offline(accelerator, task: Task, model, examples: list, micro: int) -> dict[str, float]:
+    """``eval/<metric>`` of ``task`` on ``examples``, each process scoring every world-th example."""
+    model.eval()
+    sums, count = {}, 0
+    mine = examples[accelerator.process_index :: accelerator.num_processes]
+    with torch.no_grad():
+        for i in range(0, len(mine), micro):
+            batch = task.collate(mine[i : i + micro])
+            count += task.count(batch)
+            _, batch_sums = task.loss(model, batch.to(accelerator.device))
+            for k, v in batch_sums.items():
+                sums[k] = sums.get(k, 0.0) + v.detach()
+    model.train()
+    return {f"eval/{k}": v for k, v in task.finalize(*_reduce(accelerator, sums, count)).items()}
+
+
+def global_sum(accelerator, value) -> float:
+    """Σ of ``value`` over every process, in float64."""
+    tensor = torch.as_tensor(value, dtype=torch.float64, device=accelerator.device)
+    return float(accelerator.reduce(tensor, reduction="sum"))
 
 
 def save_final(accelerator, output_dir, models: dict, tokenizer) -> None:
