@@ -164,6 +164,33 @@ def test_rise_then_collapse_needs_eval_down_and_training_reward_up(tmp_path):
     assert 7 not in _stream(with_eval([0.70, 0.74, 0.78, 0.80], 0.02))
 
 
+def test_resumed_monitor_continues_the_history_instead_of_starting_over(tmp_path):
+    """A resumed run replays its logged records: a trend rule whose window straddles the checkpoint fires
+    at the same step as in the uninterrupted run, and an alert active at the checkpoint is not raised
+    again (before, the history restarted empty: the KL rise was missed and the clip alert came twice)."""
+    records = [
+        {**r, "kl/per_token": 0.01 + 0.05 * i, "policy/clipfrac": 0.5 if i < 2 else r["policy/clipfrac"]}
+        for i, r in enumerate(_healthy(8))
+    ]
+    straight, _ = _monitor()
+    expected = [(step, a["id"]) for step, r in enumerate(records, 1) for a in straight.check(step, r)]
+    assert (2, 1) not in expected and any(i == 1 and s > 2 for s, i in expected)  # the KL trend crosses step 2
+
+    def resumed(with_restore):
+        first, _ = _monitor(tmp_path / str(with_restore))
+        raised = [(step, a["id"]) for step, r in enumerate(records[:2], 1) for a in first.check(step, r)]
+        second, _ = _monitor(tmp_path / str(with_restore))
+        if with_restore:
+            second.restore([{"step": i, "time": 0.0, **r} for i, r in enumerate(records[:2], 1)], len(raised))
+        raised += [(step, a["id"]) for step, r in enumerate(records[2:], 3) for a in second.check(step, r)]
+        return raised, second.raised, read_alerts(tmp_path / str(with_restore))
+
+    raised, count, written = resumed(True)
+    assert raised == expected and count == len(expected) == len(written)
+    assert [(a["step"], a["id"]) for a in written] == expected
+    assert resumed(False)[0] != expected  # what the restore fixes
+
+
 def test_truncation_rule_is_silent_when_length_is_forced():
     records = [{**r, "truncated_share": 1.0} for r in _healthy()]
     monitor = HealthMonitor(AlertConfig(window=4), None, "reward/mean", "reward/std", True, echo=lambda s: None)

@@ -10,7 +10,7 @@ import torch
 from posttrain.core import AGGREGATION_MODES
 from posttrain.data.synthetic import arithmetic_sft
 from posttrain.rollout import SamplingParams
-from posttrain.trainers import ppo
+from posttrain.trainers import online
 from posttrain.trainers.config import load_config
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.online import PhaseTimer
@@ -107,7 +107,7 @@ def _pad(rollout, T: int, pad_id: int):
 
 def _grads_of_update(trainer, rollout, inputs):
     """The gradients of one PPO update (policy and critic), parameters restored afterwards."""
-    models = [trainer.model] + ([trainer.critic] if trainer.critic is not None else [])
+    models = [trainer.actor.model, *trainer.critic.models_to_save().values()]
     saved = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
     trainer.update(0, rollout, *inputs)
     for model, state in zip(models, saved, strict=True):
@@ -117,9 +117,9 @@ def _grads_of_update(trainer, rollout, inputs):
 
 def _trainer_with_grads(config):
     trainer = PPOTrainer(config)
-    optimizers = {"policy": trainer.optimizer}
-    if trainer.critic_optimizer is not None:
-        optimizers["critic"] = trainer.critic_optimizer
+    optimizers = {"policy": trainer.actor.optimizer}
+    if hasattr(trainer.critic, "trained"):  # a separate critic has an optimizer of its own
+        optimizers["critic"] = trainer.critic.trained.optimizer
     trainer._grads = StepGrads(**optimizers)
     return trainer
 
@@ -164,7 +164,7 @@ def test_fp16_scaler_unscales_each_optimizer_once(files, monkeypatch):
     updates it) with a real torch GradScaler on fp32 weights, so the only difference from the fp32 run
     is the scaling itself. Before the fix the critic's gradient was divided by the scale a second time."""
     plain = _trainer_with_grads(_ppo(files, "critic=policy", "optim.max_grad_norm=1e6"))
-    build = ppo.build_accelerator
+    build = online.build_accelerator
 
     def with_scaler(run):
         accelerator = build(run)  # one AcceleratorState per process: fp16 is declared on this instance only
@@ -172,10 +172,10 @@ def test_fp16_scaler_unscales_each_optimizer_once(files, monkeypatch):
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
         return accelerator
 
-    monkeypatch.setattr(ppo, "build_accelerator", with_scaler)
+    monkeypatch.setattr(online, "build_accelerator", with_scaler)
     scaled = _trainer_with_grads(_ppo(files, "critic=policy", "optim.max_grad_norm=1e6"))
     scaled.accelerator.native_amp = True  # after prepare: the scaler's code paths, but no fp16 autocast on CPU
-    assert scaled.critic_optimizer.scaler is scaled.accelerator.scaler
+    assert scaled.critic.trained.optimizer.scaler is scaled.accelerator.scaler
     rollout = _varied_rollout(plain)
     inputs = _update_inputs(plain, rollout)
     expected = _grads_of_update(plain, rollout, inputs)
@@ -217,7 +217,7 @@ def test_every_row_trains_when_minibatches_do_not_divide_the_batch(files):
     )
     rollout, scores, applicable, _ = grpo.rollout_and_score(PhaseTimer())
     mask = rollout.response_mask
-    rows, handle = _count_trained_rows(grpo.accelerator.unwrap_model(grpo.model))
+    rows, handle = _count_trained_rows(grpo.accelerator.unwrap_model(grpo.actor.model))
     grpo.update(0, rollout, rollout.logprobs, None, grpo.advantages(scores, applicable, None, mask), mask)
     handle.remove()
     assert sorted(rows) == [5, 5, 6]
@@ -225,7 +225,7 @@ def test_every_row_trains_when_minibatches_do_not_divide_the_batch(files):
     trainer = PPOTrainer(_ppo(files, "run.batch_size=16", "minibatches=3", "critic=policy"))
     prompts = [p.prompt_ids for p in trainer.prompts[:16]]
     rollout = trainer.engine.generate(prompts, SamplingParams(max_new_tokens=4))
-    rows, handle = _count_trained_rows(trainer.accelerator.unwrap_model(trainer.model))
+    rows, handle = _count_trained_rows(trainer.accelerator.unwrap_model(trainer.actor.model))
     trainer.update(0, rollout, *_update_inputs(trainer, rollout))
     handle.remove()
     assert sorted(rows) == [5, 5, 6]

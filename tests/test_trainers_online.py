@@ -156,7 +156,7 @@ def test_presets_print_their_knobs_and_match_core_by_hand(noisy_sft, tmp_path, p
     assert torch.equal(advantages, group_advantages(scores, 8, scale=expected["scale_rewards"]))
     with torch.no_grad():
         logprobs, _ = response_logprobs(
-            trainer.model, rollout.input_ids, rollout.attention_mask, rollout.response_length, rollout.temperature
+            trainer.actor.model, rollout.input_ids, rollout.attention_mask, rollout.response_length, rollout.temperature
         )
     by_hand, _ = ppo_policy_loss(
         logprobs,
@@ -474,14 +474,14 @@ def test_gradient_checkpointing_recomputes_in_the_trained_models(tiny_dir, tmp_p
         overrides.append(f"model.gradient_checkpointing={str(checkpointing).lower()}")
         if algorithm == "grpo":
             trainer = GRPOTrainer(load_config(GRPOConfig, None, [*overrides, EXACT, "num_generations=2"]))
-            models = {"policy": trainer.model}
+            models = {"policy": trainer.actor.model}
         else:
             critic = "shared" if algorithm == "ppo_shared" else "reward"
             overrides += [f"reward_model.path={tiny_dir / 'reward'}", f"critic={critic}", "ppo_epochs=1"]
             trainer = PPOTrainer(load_config(PPOConfig, None, overrides))
             models = {"policy": trainer.engine.model}
             if critic == "reward":
-                models["critic"] = trainer.critic
+                models["critic"] = trainer.critic.model
         calls = {role: _attention_calls_with_grad(trainer.accelerator.unwrap_model(m)) for role, m in models.items()}
         trainer.train()
         counts[checkpointing] = {role: c[0] for role, c in calls.items()}

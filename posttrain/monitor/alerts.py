@@ -411,6 +411,20 @@ class HealthMonitor:
                 f.writelines(json.dumps(a) + "\n" for a in alerts)
         return alerts
 
+    def restore(self, records: list[dict], raised: int) -> None:
+        """The state of a resumed run: its logged records (``metrics.jsonl`` up to the checkpoint) replayed
+        silently into the history, so trend rules continue instead of waiting a window again and an
+        alert that was active stays active (not raised twice); ``raised``: alerts it recorded so far.
+        With ``run.log_every`` > 1 the history holds the logged steps only."""
+        path, echo = self.path, self.echo
+        self.path, self.echo = None, lambda _: None
+        try:
+            for record in records:
+                self.check(record["step"], {k: v for k, v in record.items() if k not in ("step", "time")})
+        finally:
+            self.path, self.echo = path, echo
+        self.raised = raised
+
 
 def format_alert(alert: dict) -> str:
     return (

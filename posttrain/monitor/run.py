@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from posttrain.data import PromptExample
-from posttrain.monitor.alerts import HealthMonitor
+from posttrain.monitor.alerts import HealthMonitor, read_alerts
 from posttrain.monitor.evaluate import Evaluator
 
 
@@ -13,8 +14,8 @@ class RunMonitor:
     """Held-out evaluation (``config.eval``, every ``run.eval_every`` steps and at the end) and health
     alerts (``config.alerts``) of one online run.
 
-    reward / reward_std name the training reward's metrics (see ``HealthMonitor``). On resume the
-    alert history starts empty: trend rules wait a window again.
+    reward / reward_std name the training reward's metrics (see ``HealthMonitor``). On resume
+    (``resume``) the alert history is rebuilt from the run's logged records.
     """
 
     def __init__(self, config, eval_prompts: list[PromptExample], tokenizer, accelerator, reward: str, reward_std: str):
@@ -35,6 +36,17 @@ class RunMonitor:
                 forced_length=sampling.min_new_tokens >= sampling.max_new_tokens,
                 echo=tqdm.write,  # above the progress bar, not through it
             )
+
+    def resume(self, output_dir) -> None:
+        """Continue the alert history of the run in ``output_dir`` (its records already cut back to the
+        checkpoint's step)."""
+        if self.health is None or not self.health.config.enabled:
+            return
+        from pathlib import Path
+
+        path = Path(output_dir) / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+        self.health.restore([r for r in records if "step" in r], len(read_alerts(output_dir)))
 
     @property
     def bar_keys(self) -> tuple[str, ...]:

@@ -15,14 +15,13 @@ Per step, for P prompts:
 
 Departures from the paper: the loss reduction is a named choice (``loss_agg``) because the paper's
 per-sequence length normalisation biases the objective (Liu et al. 2025); presets set the knobs of
-GRPO, DAPO and Dr. GRPO at once and are printed at start.
+GRPO, DAPO and Dr. GRPO at once and are printed at start. Equations, knobs and tests:
+docs/algorithms/grpo.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -30,7 +29,6 @@ import torch
 from posttrain.core import (
     AGGREGATION_MODES,
     KL_ESTIMATORS,
-    aggregation_units,
     gae,
     group_advantages,
     kl_penalty,
@@ -38,12 +36,11 @@ from posttrain.core import (
     rloo_advantages,
     shape_rewards,
 )
-from posttrain.data import DataConfig, load_prompts
-from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
-from posttrain.monitor import AlertConfig, EvalConfig, RunMonitor
+from posttrain.data import DataConfig
+from posttrain.models import ModelConfig, Reference, load_policy
+from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty, unpad
-from posttrain.rollout import Rollout, RolloutConfig, SamplingParams, build_engine, concat_rollouts
-from posttrain.trainers.checkpoint import save_checkpoint
+from posttrain.rollout import Rollout, RolloutConfig, SamplingParams, concat_rollouts
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -53,33 +50,23 @@ from posttrain.trainers.config import (
     validate_sections,
     with_presets,
 )
-from posttrain.trainers.inputs import check_inputs
-from posttrain.trainers.loop import (
-    NonFiniteGuard,
-    build_accelerator,
-    build_optimizer,
-    optimizer_step,
-    save_final,
-    split_train_eval,
-    start_run,
-)
+from posttrain.trainers.loop import NonFiniteGuard, build_optimizer, global_sum
 from posttrain.trainers.online import (
+    OnlineTrainer,
+    Optimized,
     PhaseTimer,
-    PromptSampler,
     StatsAccumulator,
     advantage_metrics,
+    first_minibatch_metrics,
     gather_whiten,
     global_min,
-    global_sum,
     kl_metrics,
-    micro_slices,
+    minibatches,
     old_logprobs_of,
     policy_logprobs,
     reference_logprobs,
-    response_metrics,
     sample,
-    split_minibatches,
-    write_samples,
+    train_minibatch,
 )
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
@@ -257,58 +244,87 @@ def _constant_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return grouped.amax(1) == grouped.amin(1)  # [P]
 
 
-class GRPOTrainer:
-    """Holds the models and state of a GRPO run; ``train()`` runs the loop of the module docstring."""
+@dataclass
+class GRPOBatch:
+    """The rows of a rollout a GRPO minibatch trains on: the response ``mask`` (without unscored and,
+    with mask_truncated, truncated rows), advantages ([b] or [b, T] for reinforce++), the old log-probs
+    and, with the KL in the loss, the reference's (all [b, T])."""
+
+    rollout: Rollout
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None
+
+
+class GRPOTrainer(OnlineTrainer):
+    """Holds the models and state of a GRPO run; ``train_step`` is the module docstring's box."""
+
+    name = "grpo"
+    BAR_KEYS = ("reward/mean", "kl/per_token", "policy/clipfrac")
+    SCORE_KEYS = ("reward/mean", "reward/std")
 
     def __init__(self, config: GRPOConfig):
-        config.validate()
-        check_inputs(config)
-        self.config = config
-        self.accelerator = build_accelerator(config.run)
-        torch.manual_seed(config.run.seed)
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
-        self.prompts, report = load_prompts(config.data, self.tokenizer)
-        self.prompts, eval_prompts = split_train_eval(self.prompts, config.data.eval_fraction, config.run.seed)
-        self.accelerator.print(f"[grpo] prompts: {report.summary()}")
-        self.accelerator.print(f"[grpo] {config.preset_report()}")
+        super().__init__(config)
+        acc = self.accelerator
+        acc.print(f"[grpo] {config.preset_report()}")
         if config.sampling.temperature == 0:
-            self.accelerator.print(
+            acc.print(
                 "[grpo] warning: sampling.temperature=0 is greedy decoding: the num_generations responses to a "
                 "prompt are identical, every group advantage is 0 and the policy does not learn; use a temperature > 0"
             )
-        world = self.accelerator.num_processes
-        if config.prompts_per_step % world:
-            raise ValueError(f"prompts per step ({config.prompts_per_step}) must split evenly over {world} processes")
-        self.local_prompts = config.prompts_per_step // world
-        if config.minibatches > self.local_prompts * config.num_generations:
-            raise ValueError(
-                f"minibatches={config.minibatches} is more than the {self.local_prompts * config.num_generations} "
-                f"completions each of the {world} process(es) holds per step (run.batch_size={config.run.batch_size})"
-            )
         self.rewards = RewardComposer.from_specs(config.rewards, self.tokenizer, config.max_unscored_steps)
-
         policy = load_policy(replace(config.model, device="cpu"))
         self.reference = None
         if config.kl_coef > 0:  # kl_coef = 0 loads no reference at all
             self.reference = Reference.from_policy(policy, share=config.reference)
-        self.total_steps = config.run.max_steps or max(
-            1, math.ceil(config.run.epochs * len(self.prompts) / config.prompts_per_step)
-        )
         updates = self.total_steps * config.num_iterations * config.minibatches
-        optimizer, self.scheduler = build_optimizer(
+        optimizer, scheduler = build_optimizer(
             [p for p in policy.parameters() if p.requires_grad], config.optim, updates
         )
-        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
-        self.accelerator.register_for_checkpointing(self.scheduler)
+        model, optimizer = acc.prepare(policy, optimizer)
+        acc.register_for_checkpointing(scheduler)
+        self.actor = Optimized(model, optimizer, scheduler, NonFiniteGuard(acc, config.run), config.optim.max_grad_norm)
         if self.reference is not None and self.reference.model is not None:
-            self.reference.model.to(self.accelerator.device)
-        self.policy = self.accelerator.unwrap_model(self.model)
-        self.accelerator.print(f"[grpo] rollout: {config.rollout.describe()}")
-        self.engine = build_engine(config.rollout, self.policy, self.tokenizer, config.model.path, config.run.seed)
-        self.sampler = PromptSampler(len(self.prompts), config.run.seed)
-        self.guard = NonFiniteGuard(self.accelerator, config.run)
-        self.monitor = RunMonitor(config, eval_prompts, self.tokenizer, self.accelerator, "reward/mean", "reward/std")
+            self.reference.model.to(acc.device)
         self.passes = {"old_logprobs": 0, "reference": 0, "policy_train": 0}
+        self.start_engine(acc.unwrap_model(model))
+
+    def train_step(self, step: int, timer: PhaseTimer) -> tuple[dict, Rollout | None, torch.Tensor | None]:
+        cfg, acc, device = self.config, self.accelerator, self.accelerator.device
+        micro = cfg.run.micro_batch_size
+        # 1-2. sample G responses per prompt and score them (dynamic sampling: keep groups with a signal)
+        rollout, scores, applicable, metrics = self.rollout_and_score(timer)
+        if rollout is None:
+            acc.print(f"[grpo] step {step + 1}: every sampled group had equal rewards; no update")
+            return metrics, None, None
+        mask = self.loss_mask(rollout, applicable)
+        with timer("old_logprobs"):
+            old_logprobs, is_weights, mismatch = old_logprobs_of(
+                acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
+            )
+        self.passes["old_logprobs"] += not self.engine.logprobs_exact
+        metrics.update(mismatch)
+        # 3. reference log-probs and the per-token KL
+        ref_logprobs = kl = None
+        if self.reference is not None:
+            with timer("reference"):
+                ref_logprobs = reference_logprobs(self.reference, rollout, micro, device)
+            self.passes["reference"] += 1
+            kl = kl_penalty(old_logprobs, ref_logprobs, "k1" if cfg.kl_in == "reward" else cfg.kl_estimator)
+            metrics.update(kl_metrics(acc, kl, mask))
+        # 4. advantages, shared by every token of a response (but reinforce++'s)
+        advantages = self.advantages(scores, applicable, kl, mask)
+        adv_tokens = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
+        metrics.update(advantage_metrics(acc, adv_tokens, mask))
+        if is_weights is not None:  # w·min(r·A, clip(r)·A) = min(r·wA, clip(r)·wA) for w ≥ 0
+            advantages = adv_tokens * is_weights
+        # 5. μ iterations over minibatches of the clipped surrogate
+        with timer("train"):
+            metrics.update(self.update(step, rollout, old_logprobs, ref_logprobs, advantages, mask))
+        # 6. log
+        metrics.update(self.reward_metrics(scores, applicable))
+        return metrics, rollout, scores
 
     # -- 1-2. rollout and rewards ---------------------------------------------------------------
 
@@ -384,7 +400,7 @@ class GRPOTrainer:
             metrics[f"reward/{name}/mean"] = sum(scored) / len(scored) if scored else math.nan
         metrics.update(self.rewards.fault_counts())
         scores, applicable = _scores_with_missing(scores, G)
-        return rollout, scores, applicable, metrics
+        return rollout, scores.to(self.accelerator.device), applicable.to(self.accelerator.device), metrics
 
     # -- 4. advantages ----------------------------------------------------------------------------
 
@@ -415,168 +431,89 @@ class GRPOTrainer:
         everyone = group_advantages(acc.gather(scores), G, cfg.scale_rewards, mask=acc.gather(applicable.long()))
         return everyone[start : start + local]
 
+    def loss_mask(self, rollout: Rollout, applicable: torch.Tensor) -> torch.Tensor:
+        """The response mask [B, T] without the rows no reward function scored and, with
+        ``mask_truncated``, without the responses cut at max_new_tokens."""
+        mask = rollout.response_mask.clone()
+        if self.config.mask_truncated:
+            mask[rollout.truncated] = 0
+        mask[~applicable] = 0
+        return mask
+
+    def reward_metrics(self, scores: torch.Tensor, applicable: torch.Tensor) -> dict[str, float]:
+        """Mean of the scored rows (NaN, not 0, when none was), applicable share and std of the scores,
+        over all processes; β and the forward passes run so far."""
+        acc = self.accelerator
+        valid_scores = scores[applicable]
+        scored = global_sum(acc, len(valid_scores))
+        return {
+            "reward/mean": global_sum(acc, valid_scores.sum()) / scored if scored else math.nan,
+            "reward/applicable_share": scored / global_sum(acc, len(scores)),
+            "reward/std": float(acc.gather(scores).std()) if len(scores) > 1 else 0.0,
+            "kl_coef": self.config.kl_coef,
+            **{f"passes/{k}": v for k, v in self.passes.items()},
+        }
+
     # -- 5. policy update ---------------------------------------------------------------------------
 
     def update(self, step: int, rollout: Rollout, old_logprobs, ref_logprobs, advantages, mask) -> dict:
-        cfg, acc, device = self.config, self.accelerator, self.accelerator.device
-        world, B = acc.num_processes, len(rollout)
-        stats, first, entropy_sum, entropy_tokens = StatsAccumulator(), None, 0.0, 0.0
-        for iteration in range(cfg.num_iterations):
-            generator = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step * 1_009 + iteration)
-            order = torch.randperm(B, generator=generator) if cfg.minibatches > 1 else torch.arange(B)
-            for rows in split_minibatches(order, cfg.minibatches):  # B varies with dynamic sampling
-                sub = rollout.select(rows)
-                sub_mask, sub_adv, sub_old = mask[rows], advantages[rows], old_logprobs[rows]
-                sub_ref = None if ref_logprobs is None or cfg.kl_in != "loss" else ref_logprobs[rows]
-                units = global_sum(acc, aggregation_units(sub_mask, cfg.loss_agg))
-                minibatch = StatsAccumulator()
-                slices = micro_slices(len(rows), cfg.run.micro_batch_size)
-                for k, s in enumerate(slices):
-                    sync = contextlib.nullcontext() if k == len(slices) - 1 else acc.no_sync(self.model)
-                    with sync:
-                        logprobs, entropy = policy_logprobs(self.model, sub, s, device, with_entropy=iteration == 0)
-                        self.passes["policy_train"] += 1
-                        loss, loss_stats = ppo_policy_loss(
-                            logprobs,
-                            sub_old[s],
-                            sub_adv[s],
-                            sub_mask[s],
-                            cfg.clip_low,
-                            cfg.clip_high,
-                            cfg.loss_agg,
-                            sub_ref[s] if sub_ref is not None else None,
-                            cfg.kl_coef,
-                            cfg.kl_estimator,
-                            norm_length=cfg.sampling.max_new_tokens,
-                        )
-                        weight = float(aggregation_units(sub_mask[s], cfg.loss_agg)) * world / max(units, 1.0)
-                        acc.backward(loss * weight)
-                    minibatch.add({**loss_stats, "loss": loss.detach()}, weight)
-                    if entropy is not None:
-                        valid = sub_mask[s].bool()
-                        entropy_sum += float(torch.where(valid, entropy, 0.0).sum())
-                        entropy_tokens += float(valid.sum())
-                result = minibatch.result(acc)
-                grad_norm = optimizer_step(
-                    acc,
-                    self.model,
-                    self.optimizer,
-                    self.scheduler,
-                    cfg.optim.max_grad_norm,
-                    self.guard,
-                    step + 1,
-                    result["loss"],
-                )
-                if first is None:
-                    first = result
-                stats.add({k: v for k, v in result.items()}, 1.0)
-                stats.add({"grad_norm": torch.tensor(grad_norm)}, 1.0)
-        out = stats.result(acc, prefix="")
-        out = {("policy/" + k if k != "grad_norm" else k): v for k, v in out.items()}
-        out["policy/first_minibatch_ratio_max"] = first["ratio_max"]
-        out["policy/first_minibatch_ratio_min"] = first["ratio_min"]
-        out["policy/first_minibatch_clipfrac"] = first["clipfrac"]
-        out["entropy"] = global_sum(acc, entropy_sum) / max(global_sum(acc, entropy_tokens), 1.0)
-        return out
+        """μ = ``num_iterations`` passes over ``minibatches`` minibatches (shuffled when more than one),
+        one optimizer step each. Returns the policy metrics of the step; ``entropy`` is the token mean
+        over the first pass (the sampling policy's)."""
+        cfg, acc = self.config, self.accelerator
+        stats, first, entropy = StatsAccumulator(), None, [0.0, 0.0]  # Σ entropy, tokens
 
-    # -- the loop -------------------------------------------------------------------------------------
+        def loss_fn(batch: GRPOBatch, s: slice, iteration: int):
+            loss, loss_stats, token_entropy = self.policy_loss(batch, s, with_entropy=iteration == 0)
+            if token_entropy is not None:
+                valid = batch.mask[s].bool()
+                entropy[0] += float(torch.where(valid, token_entropy, 0.0).sum())
+                entropy[1] += float(valid.sum())
+            return loss, loss_stats
 
-    def train(self, callbacks=()) -> dict:
-        cfg, acc, device = self.config, self.accelerator, self.accelerator.device
-        state, logger = start_run(acc, cfg, self.total_steps, "grpo")
-        start_step = 0
-        if state is not None:
-            start_step, self.sampler.cursor = state["step"], state["prompt_cursor"]
-        self.engine.sync_weights(self.policy)  # a resumed policy is not the checkpoint the engine loaded
-        metrics: dict = {}
-        for step in range(start_step, self.total_steps):
-            t0, timer = time.perf_counter(), PhaseTimer()
-            # 1-2. sample G responses per prompt and score them
-            rollout, scores, applicable, metrics = self.rollout_and_score(timer)
-            if rollout is None:  # dynamic sampling found no group with a signal
-                acc.print(f"[grpo] step {step + 1}: every sampled group had equal rewards; no update")
-                logger.log(step + 1, metrics)
-                logger.advance()
-                continue
-            scores, applicable = scores.to(device), applicable.to(device)
-            mask = rollout.response_mask.clone()
-            if cfg.mask_truncated:
-                mask[rollout.truncated] = 0
-            mask[~applicable] = 0
-            with timer("old_logprobs"):
-                old_logprobs, is_weights, mismatch = old_logprobs_of(
-                    acc,
-                    self.engine,
-                    rollout,
-                    lambda r, s: policy_logprobs(self.model, r, s, device)[0],
-                    cfg.run.micro_batch_size,
-                    cfg.rollout,
-                )
-            self.passes["old_logprobs"] += not self.engine.logprobs_exact
-            metrics.update(mismatch)
-            # 3. reference log-probs and KL
-            ref_logprobs = kl = None
-            if self.reference is not None:
-                with timer("reference"):
-                    ref_logprobs = reference_logprobs(self.reference, rollout, cfg.run.micro_batch_size, device)
-                self.passes["reference"] += 1
-                kl = kl_penalty(old_logprobs, ref_logprobs, "k1" if cfg.kl_in == "reward" else cfg.kl_estimator)
-                metrics.update(kl_metrics(acc, kl, mask))
-            # 4. advantages
-            advantages = self.advantages(scores, applicable, kl, mask)
-            adv_tokens = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
-            metrics.update(advantage_metrics(acc, adv_tokens, mask))
-            if is_weights is not None:  # w·min(r·A, clip(r)·A) = min(r·wA, clip(r)·wA) for w ≥ 0
-                advantages = adv_tokens * is_weights
-            # 5. μ iterations over minibatches of the clipped surrogate
-            with timer("train"):
-                metrics.update(self.update(step, rollout, old_logprobs, ref_logprobs, advantages, mask))
-            with timer("sync_weights"):
-                self.engine.sync_weights(self.policy)
-            # 6. log and checkpoint
-            done = step + 1
-            seconds = time.perf_counter() - t0
-            valid_scores = scores[applicable]
-            scored = global_sum(acc, len(valid_scores))
-            metrics.update(response_metrics(acc, rollout))
-            metrics.update(timer.read(seconds))
-            metrics.update(
-                {
-                    "reward/mean": global_sum(acc, valid_scores.sum()) / scored if scored else math.nan,  # not 0
-                    "reward/applicable_share": scored / global_sum(acc, len(scores)),
-                    "reward/std": float(acc.gather(scores).std()) if len(scores) > 1 else 0.0,
-                    "kl_coef": cfg.kl_coef,
-                    "lr": self.scheduler.get_last_lr()[0],
-                    "train/nonfinite_skips": self.guard.skips,
-                    "tokens_per_s": metrics["tokens_generated"] / seconds,
-                    **{f"passes/{k}": v for k, v in self.passes.items()},
-                }
+        shuffle = cfg.minibatches > 1
+        for iteration, rows in minibatches(
+            len(rollout), cfg.num_iterations, cfg.minibatches, cfg.run.seed, step, shuffle
+        ):
+            ref = None if ref_logprobs is None or cfg.kl_in != "loss" else ref_logprobs[rows]
+            batch = GRPOBatch(rollout.select(rows), mask[rows], advantages[rows], old_logprobs[rows], ref)
+            result, grad_norm = train_minibatch(
+                acc,
+                self.actor,
+                step,
+                batch.mask,
+                cfg.loss_agg,
+                cfg.run.micro_batch_size,
+                lambda s, batch=batch, iteration=iteration: loss_fn(batch, s, iteration),
             )
-            write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
-            metrics.update(self.monitor.after_step(self.engine, done, self.total_steps, metrics))
-            if done % cfg.run.log_every == 0 or done == self.total_steps or "time/eval" in metrics:
-                logger.log(done, metrics, ("reward/mean", "kl/per_token", "policy/clipfrac", *self.monitor.bar_keys))
-            logger.advance()
-            if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
-                save_checkpoint(
-                    acc,
-                    cfg.run.output_dir,
-                    done,
-                    {"policy": self.model},
-                    self.tokenizer,
-                    {"prompt_cursor": self.sampler.cursor},
-                    cfg.run.keep_last,
-                )
-            for callback in callbacks:
-                callback(done, metrics)
-        logger.close()
-        save_final(acc, cfg.run.output_dir, {"policy": self.model}, self.tokenizer)
-        return {
-            "final_metrics": metrics,
-            "steps": self.total_steps,
-            "output_dir": cfg.run.output_dir,
-            "processes": acc.num_processes,
-        }
+            first = first or result
+            stats.add({**result, "grad_norm": grad_norm}, 1.0)
+        out = {("policy/" + k if k != "grad_norm" else k): v for k, v in stats.result(acc).items()}
+        out["entropy"] = global_sum(acc, entropy[0]) / max(global_sum(acc, entropy[1]), 1.0)
+        return {**out, **first_minibatch_metrics(first)}
+
+    def policy_loss(self, batch: GRPOBatch, s: slice, with_entropy: bool):
+        """(PPO-clipped surrogate with the KL to the reference in the loss when kl_in=loss, reduced by
+        ``loss_agg``; its stats with ``loss``; the token entropy [b, T] or None) of rows ``s``."""
+        cfg = self.config
+        logprobs, entropy = policy_logprobs(
+            self.actor.model, batch.rollout, s, self.accelerator.device, with_entropy=with_entropy
+        )
+        self.passes["policy_train"] += 1
+        loss, stats = ppo_policy_loss(
+            logprobs,
+            batch.old_logprobs[s],
+            batch.advantages[s],
+            batch.mask[s],
+            cfg.clip_low,
+            cfg.clip_high,
+            cfg.loss_agg,
+            None if batch.ref_logprobs is None else batch.ref_logprobs[s],
+            cfg.kl_coef,
+            cfg.kl_estimator,
+            norm_length=cfg.sampling.max_new_tokens,
+        )
+        return loss, {**stats, "loss": loss.detach()}, entropy
 
 
 def train(config: GRPOConfig, callbacks=()) -> dict:

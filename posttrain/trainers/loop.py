@@ -387,7 +387,7 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
         state = load_checkpoint(accelerator, resume)
         accelerator.print(f"[{run_name}] resuming from {resume} (step {state['step']} of {total_steps})")
     if accelerator.is_main_process and run.resume_from is not None:
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "eval_samples.jsonl"):
             truncate_records(Path(run.output_dir) / name, 0 if state is None else state["step"])
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

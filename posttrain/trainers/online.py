@@ -1,23 +1,243 @@
-"""Plumbing shared by the online trainers (PPO, GRPO): prompt order, rollout, reference log-probs,
-global statistics across processes, minibatch/micro-batch iteration, phase timers and response metrics.
+"""What the online trainers (PPO, GRPO) share, written once: the loop around a step (``OnlineTrainer``:
+prompts and their order, the rollout engine, the end of a step, checkpoints and resume), the update
+skeleton (``minibatches`` → ``train_minibatch``: shuffled minibatches, micro-batches, one optimizer
+step each), reference and old log-probs, global statistics across processes, phase timers and metrics.
 
-The algorithms themselves (what is computed from a rollout and in which order) stay in ``ppo.py`` and
-``grpo.py``, where they read like the papers' algorithm boxes.
+The algorithms themselves (what is computed from a rollout and in which order) stay in
+``PPOTrainer.train_step`` and ``GRPOTrainer.train_step``, where they read like the papers' algorithm
+boxes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from posttrain.core import masked_whiten, truncated_importance_weights
-from posttrain.data import PromptExample
-from posttrain.models import Reference, response_logprobs
-from posttrain.rollout import Rollout, RolloutConfig, RolloutEngine, SamplingParams
+from posttrain.core import aggregation_units, masked_whiten, truncated_importance_weights
+from posttrain.data import PromptExample, load_prompts
+from posttrain.models import Reference, load_tokenizer, response_logprobs
+from posttrain.monitor import RunMonitor
+from posttrain.rollout import Rollout, RolloutConfig, RolloutEngine, SamplingParams, build_engine
+from posttrain.trainers.checkpoint import save_checkpoint
+from posttrain.trainers.inputs import check_inputs
+from posttrain.trainers.loop import (
+    NonFiniteGuard,
+    backward_share,
+    build_accelerator,
+    global_sum,
+    optimizer_step,
+    save_final,
+    split_train_eval,
+    start_run,
+)
+
+
+class OnlineTrainer:
+    """The loop of an online trainer around its algorithm.
+
+    A subclass sets ``name``, ``BAR_KEYS`` (progress-bar metrics) and ``SCORE_KEYS`` (the reward's mean
+    and std metrics, watched by the monitor), loads its models between ``__init__`` and
+    ``start_engine``, and writes ``train_step``: the algorithm's numbered steps for one rollout batch.
+    ``train`` runs the steps and ``end_step`` after each. The run's state (prompt cursor, and what
+    ``state``/``load_state`` add) is saved in every checkpoint and restored on resume.
+    """
+
+    name = "online"
+    BAR_KEYS: tuple[str, ...] = ()
+    SCORE_KEYS: tuple[str, str] = ("reward/mean", "reward/std")
+
+    def __init__(self, config):
+        config.validate()
+        check_inputs(config)
+        self.config = config
+        acc = self.accelerator = build_accelerator(config.run)
+        torch.manual_seed(config.run.seed)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+        prompts, report = load_prompts(config.data, self.tokenizer)
+        self.prompts, self.eval_prompts = split_train_eval(prompts, config.data.eval_fraction, config.run.seed)
+        acc.print(f"[{self.name}] prompts: {report.summary()}")
+        world, prompts_per_step = acc.num_processes, config.run.batch_size // config.num_generations
+        if prompts_per_step % world:
+            raise ValueError(f"prompts per step ({prompts_per_step}) must split evenly over {world} processes")
+        self.local_prompts = prompts_per_step // world
+        if config.minibatches > self.local_prompts * config.num_generations:
+            raise ValueError(
+                f"minibatches={config.minibatches} is more than the {self.local_prompts * config.num_generations} "
+                f"responses each of the {world} process(es) holds per step (run.batch_size={config.run.batch_size})"
+            )
+        self.total_steps = config.run.max_steps or max(
+            1, math.ceil(config.run.epochs * len(self.prompts) / prompts_per_step)
+        )
+        self.sampler = PromptSampler(len(self.prompts), config.run.seed)
+
+    def start_engine(self, policy) -> None:
+        """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
+        self.policy = policy
+        self.accelerator.print(f"[{self.name}] rollout: {self.config.rollout.describe()}")
+        self.engine = build_engine(
+            self.config.rollout, policy, self.tokenizer, self.config.model.path, self.config.run.seed
+        )
+        self.monitor = RunMonitor(self.config, self.eval_prompts, self.tokenizer, self.accelerator, *self.SCORE_KEYS)
+
+    # -- what a subclass provides -------------------------------------------------------------------
+
+    def train_step(self, step: int, timer: PhaseTimer) -> tuple[dict, Rollout | None, torch.Tensor | None]:
+        """One rollout batch: (metrics, rollout, scores [B]); rollout None = nothing to train on."""
+        raise NotImplementedError
+
+    def logprobs_of(self, rollout: Rollout, rows: slice) -> torch.Tensor:
+        """The policy's training forward: log-probs [b, T] of the response tokens of ``rows``."""
+        return policy_logprobs(self.actor.model, rollout, rows, self.accelerator.device)[0]
+
+    def models_to_save(self) -> dict[str, torch.nn.Module]:
+        return {"policy": self.actor.model}
+
+    def nonfinite_skips(self) -> int:
+        return self.actor.guard.skips
+
+    def state(self) -> dict:
+        """The trainer state saved in a checkpoint besides the models and optimizers."""
+        return {"prompt_cursor": self.sampler.cursor}
+
+    def load_state(self, state: dict) -> int:
+        """Restore ``state`` (a checkpoint's); returns the step to continue from."""
+        self.sampler.cursor = state["prompt_cursor"]
+        return state["step"]
+
+    # -- the loop ---------------------------------------------------------------------------------------
+
+    def train(self, callbacks: tuple[Callable[[int, dict], None], ...] = ()) -> dict:
+        """Resume (``run.resume_from``), run ``train_step`` + weight sync + ``end_step`` for every step,
+        save ``final/``. Returns {"final_metrics", "steps", "output_dir", "processes", **state}."""
+        cfg, acc = self.config, self.accelerator
+        state, self.logger = start_run(acc, cfg, self.total_steps, self.name)
+        start_step = 0 if state is None else self.load_state(state)
+        if state is not None:
+            self.monitor.resume(cfg.run.output_dir)
+        self.engine.sync_weights(self.policy)  # a resumed policy is not the checkpoint the engine loaded
+        metrics: dict = {}
+        for step in range(start_step, self.total_steps):
+            t0, timer = time.perf_counter(), PhaseTimer()
+            metrics, rollout, scores = self.train_step(step, timer)
+            if rollout is None:
+                self.logger.log(step + 1, metrics)
+                self.logger.advance()
+                continue
+            with timer("sync_weights"):
+                self.engine.sync_weights(self.policy)
+            self.end_step(step + 1, metrics, rollout, scores, timer.read(time.perf_counter() - t0), callbacks)
+        self.logger.close()
+        save_final(acc, cfg.run.output_dir, self.models_to_save(), self.tokenizer)
+        return {
+            "final_metrics": metrics,
+            "steps": self.total_steps,
+            "output_dir": cfg.run.output_dir,
+            "processes": acc.num_processes,
+            **self.state(),
+        }
+
+    def end_step(self, done: int, metrics: dict, rollout: Rollout, scores, times: dict, callbacks) -> None:
+        """The tail of every step: response, time and throughput metrics; ``samples.jsonl``; held-out
+        evaluation and alerts (``RunMonitor``); the log; a checkpoint every ``run.save_every``; callbacks."""
+        cfg, acc = self.config, self.accelerator
+        metrics.update(response_metrics(acc, rollout))
+        metrics.update(times)
+        metrics["lr"] = self.actor.scheduler.get_last_lr()[0]
+        metrics["train/nonfinite_skips"] = self.nonfinite_skips()
+        metrics["tokens_per_s"] = metrics["tokens_generated"] / times["time/step"]
+        write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
+        metrics.update(self.monitor.after_step(self.engine, done, self.total_steps, metrics))
+        if done % cfg.run.log_every == 0 or done == self.total_steps or "time/eval" in metrics:
+            self.logger.log(done, metrics, (*self.BAR_KEYS, *self.monitor.bar_keys))
+        self.logger.advance()
+        if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
+            state = self.state()
+            save_checkpoint(
+                acc, cfg.run.output_dir, done, self.models_to_save(), self.tokenizer, state, cfg.run.keep_last
+            )
+        for callback in callbacks:
+            callback(done, metrics)
+
+
+# -- the update skeleton ------------------------------------------------------------------------------
+
+
+@dataclass
+class Optimized:
+    """A trained model as accelerate prepared it, with its optimizer, schedule and non-finite guard."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    guard: NonFiniteGuard
+    max_grad_norm: float | None
+
+
+def minibatches(
+    num_rows: int, passes: int, count: int, seed: int, step: int, shuffle: bool = True
+) -> Iterator[tuple[int, list[int]]]:
+    """(pass, rows) for ``passes`` passes over a rollout of ``num_rows`` rows, each pass split into
+    ``count`` minibatches (``split_minibatches``; every row trained). The rows of pass p of step s are
+    shuffled by a generator seeded from (run seed, s, p) alone, so a resumed run draws the same
+    minibatches; ``shuffle=False`` keeps the rollout's order."""
+    for p in range(passes):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + p)
+        order = torch.randperm(num_rows, generator=generator) if shuffle else torch.arange(num_rows)
+        for rows in split_minibatches(order, count):
+            yield p, rows
+
+
+def train_minibatch(
+    accelerator,
+    trained: Optimized,
+    step: int,
+    mask: torch.Tensor,
+    loss_agg: str,
+    micro_batch_size: int,
+    loss_fn: Callable[[slice], tuple[torch.Tensor, dict]],
+) -> tuple[dict[str, float], float]:
+    """One optimizer step of ``trained`` on a minibatch whose response mask is ``mask`` [b, T].
+
+    For each micro-batch ``s`` of its rows, ``loss_fn(s)`` gives (the loss reduced by ``loss_agg`` over
+    the micro-batch, {stat: value}); the loss is back-propagated as its share of the minibatch's mean
+    over every process (``loop.backward_share``, units by ``core.aggregation_units``), gradients
+    synchronised on the last micro-batch only. Returns (the stats weighted over micro-batches and
+    processes, the gradient norm before clipping).
+    """
+    units = global_sum(accelerator, aggregation_units(mask, loss_agg))
+    slices = micro_slices(len(mask), micro_batch_size)
+    stats, total = StatsAccumulator(), 0.0
+    for k, s in enumerate(slices):
+        with contextlib.nullcontext() if k == len(slices) - 1 else accelerator.no_sync(trained.model):
+            loss, loss_stats = loss_fn(s)
+            weight = backward_share(accelerator, loss, aggregation_units(mask[s], loss_agg), units)
+        total = total + (loss * weight).detach()
+        stats.add(loss_stats, weight)
+    grad_norm = optimizer_step(
+        accelerator,
+        trained.model,
+        trained.optimizer,
+        trained.scheduler,
+        trained.max_grad_norm,
+        trained.guard,
+        step + 1,
+        global_sum(accelerator, total) / accelerator.num_processes,  # the minibatch's loss, for the guard
+    )
+    return stats.result(accelerator), grad_norm
+
+
+def first_minibatch_metrics(first: dict[str, float]) -> dict[str, float]:
+    """The ratio range and clip fraction of the first minibatch of a step, where the policy still is the
+    sampling policy: the ratio must be 1 there (max = min = 1, clipfrac 0) unless the old log-probs are
+    not the sampler's (docs/pitfalls.md #4)."""
+    return {f"policy/first_minibatch_{k}": first[k] for k in ("ratio_max", "ratio_min", "clipfrac")}
 
 
 @dataclass
@@ -148,7 +368,7 @@ def old_logprobs_of(
 
     An engine whose log-probs are the training forward's (HF) gives the old log-probs itself. Any other
     (vLLM: its own kernels and sampler) gets one no-grad training forward, ``forward(rollout, rows)``,
-    at the sampling temperature (PITFALLS #4); its own log-probs are then compared with it
+    at the sampling temperature (docs/pitfalls.md #4); its own log-probs are then compared with it
     (``rollout/logprob_diff_mean|max``, mean and max |engine − training| over response tokens) and,
     when ``config.importance_sampling`` is set, turned into truncated importance weights.
     """
@@ -189,11 +409,6 @@ def gather_whiten(accelerator, values: torch.Tensor, mask: torch.Tensor, shift_m
     whitened = masked_whiten(all_values, all_mask, shift_mean)
     start = accelerator.process_index * local_rows  # every process holds the same number of rows
     return whitened[start : start + local_rows, : values.shape[-1]].to(dtype)
-
-
-def global_sum(accelerator, value) -> float:
-    tensor = torch.as_tensor(value, dtype=torch.float64, device=accelerator.device)
-    return float(accelerator.reduce(tensor, reduction="sum"))
 
 
 def global_min(accelerator, value: int) -> int:

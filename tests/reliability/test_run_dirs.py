@@ -80,8 +80,13 @@ def test_resume_cuts_the_records_written_after_the_checkpoint(tiny_dir, tmp_path
         train_sft(_config(tiny_dir, tmp_path, "run.max_steps=6"), callbacks=[crash_at(5)])
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "loss": 1.')  # a line torn by the kill
+    for name in ("alerts.jsonl", "eval_samples.jsonl"):  # written by the online trainers' monitor
+        (tmp_path / "run" / name).write_text("".join(json.dumps({"step": s, "id": 1}) + "\n" for s in (3, 4, 5)))
     train_sft(_config(tiny_dir, tmp_path, "run.max_steps=6", "run.resume_from=latest"))
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+    for name in ("alerts.jsonl", "eval_samples.jsonl"):  # records after the checkpoint (step 4) are cut too
+        lines = (tmp_path / "run" / name).read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [3, 4], name
 
 
 def test_a_checkpoint_records_the_config_that_wrote_it(tiny_dir, tmp_path):

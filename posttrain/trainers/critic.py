@@ -1,0 +1,163 @@
+"""PPO's critic as one of two objects with one interface, chosen once at construction (``build_critic``):
+
+- ``SeparateCritic``: its own model V_φ (initialised from the reward model or the policy), its own
+  optimizer and learning rate, stepped on the clipped value loss after each policy step;
+- ``SharedValueHead``: a value head on the policy's backbone, one forward for log-probs and values,
+  one loss (policy loss + vf_coef · value loss) and one optimizer.
+
+Interface: ``policy_forward`` (the policy's training forward: log-probs, values or None, entropy),
+``values`` (V(s_t) of rollout rows, for GAE), ``joint_loss`` (what the critic adds to the policy's
+loss), ``step`` (its own optimizer step on a minibatch), ``models_to_save`` and ``nonfinite_skips``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from posttrain.core import masked_mean, value_loss
+from posttrain.models import PolicyWithValueHead, ValueModel, load_critic
+from posttrain.rollout import Rollout
+from posttrain.trainers.loop import NonFiniteGuard, build_optimizer
+from posttrain.trainers.online import Optimized, policy_logprobs, train_minibatch
+
+
+@dataclass
+class PPOBatch:
+    """The rows of a rollout a PPO minibatch trains on, with what the rollout computed for them
+    (all [b, T] over response tokens; ``mask`` is the response mask)."""
+
+    rollout: Rollout
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    old_logprobs: torch.Tensor
+    old_values: torch.Tensor
+
+
+def value_objective(config, values, batch: PPOBatch, s: slice) -> tuple[torch.Tensor, dict]:
+    """(clipped value loss of ``values`` [b, T] on rows ``s`` of ``batch``, {value_loss, value_clipfrac})."""
+    mask, old_values = batch.mask[s], batch.old_values[s]
+    loss = value_loss(
+        values, old_values, batch.returns[s], mask, config.vf_clip, config.loss_agg, config.sampling.max_new_tokens
+    )
+    clipped = (values.detach() - old_values).abs() > (config.vf_clip or math.inf)
+    return loss, {"value_loss": loss.detach(), "value_clipfrac": masked_mean(clipped.float(), mask)}
+
+
+class SeparateCritic:
+    """V_φ(s_t) from a model of its own, trained on the clipped value loss by its own optimizer."""
+
+    def __init__(self, accelerator, config, actor_model, trained: Optimized):
+        self.accelerator, self.config, self.actor_model, self.trained = accelerator, config, actor_model, trained
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.trained.model
+
+    def policy_forward(self, rollout: Rollout, rows: slice, with_entropy=False, entropy_grad=False):
+        """(log-probs [b, T], None, entropy [b, T] or None) of the policy on ``rows``."""
+        logprobs, entropy = policy_logprobs(
+            self.actor_model, rollout, rows, self.accelerator.device, with_entropy, entropy_grad
+        )
+        return logprobs, None, entropy
+
+    def values(self, rollout: Rollout, rows: slice) -> torch.Tensor:
+        device = self.accelerator.device
+        return self.model(
+            rollout.input_ids[rows].to(device), rollout.attention_mask[rows].to(device), rollout.response_length
+        )
+
+    def joint_loss(self, values, batch: PPOBatch, s: slice) -> tuple[float, dict]:
+        """Nothing: the separate critic has a loss and an optimizer step of its own."""
+        return 0.0, {}
+
+    def step(self, step: int, batch: PPOBatch) -> dict[str, float]:
+        """One optimizer step of the critic on the minibatch, after the policy's: under fp16 each
+        optimizer's gradients are scaled, unscaled and stepped within one cycle of accelerate's shared
+        GradScaler. Returns the value stats and ``critic_grad_norm``."""
+        stats, grad_norm = train_minibatch(
+            self.accelerator,
+            self.trained,
+            step,
+            batch.mask,
+            self.config.loss_agg,
+            self.config.run.micro_batch_size,
+            lambda s: value_objective(self.config, self.values(batch.rollout, s), batch, s),
+        )
+        return {**stats, "critic_grad_norm": grad_norm}
+
+    def models_to_save(self) -> dict[str, torch.nn.Module]:
+        return {"critic": self.model}
+
+    def nonfinite_skips(self) -> int:
+        return self.trained.guard.skips
+
+
+class SharedValueHead:
+    """V(s_t) from a value head on the policy's last hidden state (``PolicyWithValueHead``): the policy's
+    forward gives the values, the value loss joins the policy loss with weight ``vf_coef``."""
+
+    def __init__(self, accelerator, config, actor_model):
+        self.accelerator, self.config, self.actor_model = accelerator, config, actor_model
+
+    def policy_forward(self, rollout: Rollout, rows: slice, with_entropy=False, entropy_grad=False):
+        """(log-probs [b, T], values [b, T], entropy [b, T] or None) of ``rows`` from one forward."""
+        device = self.accelerator.device
+        return self.actor_model(
+            rollout.input_ids[rows].to(device),
+            rollout.attention_mask[rows].to(device),
+            rollout.response_length,
+            rollout.temperature,
+            with_entropy,
+            entropy_grad,
+        )
+
+    def values(self, rollout: Rollout, rows: slice) -> torch.Tensor:
+        return self.policy_forward(rollout, rows)[1]
+
+    def joint_loss(self, values, batch: PPOBatch, s: slice) -> tuple[torch.Tensor, dict]:
+        """vf_coef · clipped value loss, added to the policy's loss."""
+        loss, stats = value_objective(self.config, values, batch, s)
+        return self.config.vf_coef * loss, stats
+
+    def step(self, step: int, batch: PPOBatch) -> dict[str, float]:
+        return {}  # stepped with the policy
+
+    def models_to_save(self) -> dict[str, torch.nn.Module]:
+        return {}  # the head is saved with the policy (value_head.safetensors)
+
+    def nonfinite_skips(self) -> int:
+        return 0
+
+
+def build_critic(accelerator, config, policy, updates: int) -> tuple[Optimized, SeparateCritic | SharedValueHead]:
+    """(the trained policy — with a value head when ``config.critic == "shared"`` — prepared by accelerate
+    with its optimizer, the critic). ``updates``: optimizer steps of the run, for the schedules."""
+    if config.critic == "shared":
+        actor = _prepared(accelerator, PolicyWithValueHead(policy), config.optim, updates, config.run)
+        return actor, SharedValueHead(accelerator, config, actor.model)
+    # the critic is trained: model.gradient_checkpointing applies to it whichever weights it starts from
+    checkpointing = config.model.gradient_checkpointing
+    critic = ValueModel(  # trained through its forward: DDP synchronises its gradients
+        load_critic(
+            config.critic,
+            replace(config.model, device="cpu", lora=None),
+            None
+            if config.reward_model is None
+            else replace(config.reward_model, device="cpu", gradient_checkpointing=checkpointing),
+        )
+    )
+    actor = _prepared(accelerator, policy, config.optim, updates, config.run)
+    critic_optim = replace(config.optim, lr=config.critic_lr or 10 * config.optim.lr)
+    trained = _prepared(accelerator, critic, critic_optim, updates, config.run, "critic")
+    return actor, SeparateCritic(accelerator, config, actor.model, trained)
+
+
+def _prepared(accelerator, model, optim, updates: int, run, name: str = "policy") -> Optimized:
+    optimizer, scheduler = build_optimizer([p for p in model.parameters() if p.requires_grad], optim, updates)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    return Optimized(model, optimizer, scheduler, NonFiniteGuard(accelerator, run, model=name), optim.max_grad_norm)
