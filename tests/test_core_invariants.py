@@ -125,7 +125,7 @@ def test_ppo_empty_mask_is_finite_zero():
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batches_recombined_with_counts_match_full_batch(mode):
     """Normalising each micro-batch by the global count makes the sum of their losses, and so the
-    accumulated gradient, identical to one full-batch step (PITFALLS #1)."""
+    accumulated gradient, identical to one full-batch step (docs/pitfalls.md #1)."""
     mask, rand = _batch()
     lp, old, adv = rand().requires_grad_(), rand(), rand()
     full, _ = ppo_policy_loss(lp, old, adv, mask, agg=mode)
@@ -146,7 +146,7 @@ def test_micro_batches_recombined_with_counts_match_full_batch(mode):
 
 
 def test_mean_of_micro_batch_means_differs_from_token_mean():
-    """The bug PITFALLS #1 describes really does change the number: the test above is not vacuous."""
+    """The bug docs/pitfalls.md #1 describes really does change the number: the test above is not vacuous."""
     mask, rand = _batch()
     x = rand()
     full = aggregate_loss(x, mask, "token-mean")

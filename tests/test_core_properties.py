@@ -96,6 +96,6 @@ def test_group_advantages_match_naive_and_stay_bounded(n_prompts, group_size, da
             assert_close(adv["batch"][k], (r - mean) / (std_all + 1e-4), rtol=1e-7, atol=1e-9)
             others = (sum(group) - r) / (group_size - 1)
             assert_close(loo[k], r - others, rtol=1e-9, atol=1e-9)
-    # |A| ≤ (G − 1)/√G for std scaling: finite and bounded, never the 7428 of PITFALLS #9
+    # |A| ≤ (G − 1)/√G for std scaling: finite and bounded, never the 7428 of docs/pitfalls.md #9
     bound = (group_size - 1) / group_size**0.5 + 1e-6
     assert adv["group"].abs().max().item() <= bound

@@ -141,7 +141,7 @@ def test_group_advantages_by_hand():
 
 
 def test_constant_group_is_exactly_zero():
-    # 0.1 is not representable: mean(0.1, 0.1, 0.1) − 0.1 is a float residue unless guarded (PITFALLS #9)
+    # 0.1 is not representable: mean(0.1, 0.1, 0.1) − 0.1 is a float residue unless guarded (docs/pitfalls.md #9)
     rewards = torch.full((3,), 0.1)
     assert group_advantages(rewards, 3).abs().max().item() == 0.0
     assert rloo_advantages(rewards, 3).abs().max().item() == 0.0

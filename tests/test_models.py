@@ -120,7 +120,7 @@ def _reward_alone(reward, seq):
 @pytest.mark.parametrize("pad_side", ["left", "right"])
 def test_reward_read_at_last_response_token(tiny_dir, pad_side):
     """pad == eos, EOS inside the prompt, several EOS ids, no EOS: the score comes from the last
-    response token (PITFALLS #8)."""
+    response token (docs/pitfalls.md #8)."""
     reward = load_reward_model(ModelConfig(path=str(tiny_dir / "reward")))
     eos = 2
     pad = eos  # pad == eos: an id-based index would stop at the first EOS-looking pad
@@ -177,7 +177,7 @@ def test_reference_is_isolated_from_policy_updates(tiny_dir, kind):
 
 
 def test_policy_from_trained_adapter_keeps_adapter_as_reference(tiny_dir, tmp_path):
-    """KL is 0 at step 0 when training starts from an adapter (PITFALLS #11)."""
+    """KL is 0 at step 0 when training starts from an adapter (docs/pitfalls.md #11)."""
     policy = load_policy(ModelConfig(path=str(tiny_dir / "policy"), lora=LORA))
     _train_steps(policy, steps=5, lr=0.05)  # a non-trivial adapter
     policy.save_pretrained(tmp_path / "adapter")

@@ -71,7 +71,7 @@ def test_sft_loss_falls(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("micro", [1, 2])
 def test_micro_batching_gives_the_same_step(tiny_dir, tmp_path, micro):
-    """Accumulation 1×4 and 4×1 (and 2×2) give the same gradient and parameters (PITFALLS #1)."""
+    """Accumulation 1×4 and 4×1 (and 2×2) give the same gradient and parameters (docs/pitfalls.md #1)."""
     # varied completion lengths, so a mean of micro-batch means would weigh tokens differently
     rows = [{"prompt": f"{i}+{i}=", "completion": "x" * (1 + 5 * (i % 4))} for i in range(8)]
     data = _jsonl(tmp_path / "varied.jsonl", rows)

@@ -63,7 +63,7 @@ def test_grpo_raises_reward_and_first_minibatch_ratio_is_one(noisy_sft, tmp_path
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.1, (first, last)
     for r in records:
-        # every update starts on-policy: sampling and training log-probs agree (PITFALLS #4)
+        # every update starts on-policy: sampling and training log-probs agree (docs/pitfalls.md #4)
         assert abs(r["policy/first_minibatch_ratio_max"] - 1) < 1e-5
         assert abs(r["policy/first_minibatch_ratio_min"] - 1) < 1e-5
         assert r["policy/first_minibatch_clipfrac"] == 0
@@ -95,7 +95,7 @@ def test_grpo_mu_one_never_clips_and_kl_zero_loads_no_reference(noisy_sft, tmp_p
     trainer.train()
     records = read_metrics(config.run.output_dir)
     assert all(r["policy/clipfrac"] == 0 for r in records)
-    # sampled at τ = 0.7, recomputed at τ = 0.7: still on-policy (PITFALLS #4)
+    # sampled at τ = 0.7, recomputed at τ = 0.7: still on-policy (docs/pitfalls.md #4)
     assert all(abs(r["policy/ratio_max"] - 1) < 1e-5 and abs(r["policy/ratio_min"] - 1) < 1e-5 for r in records)
     assert all(r["passes/reference"] == 0 and r["passes/old_logprobs"] == 0 for r in records)
     assert "kl/per_token" not in records[-1]
@@ -410,7 +410,7 @@ def test_ppo_config_errors_name_the_field(tiny_dir, vowel_rm, tmp_path):
 
 
 def test_missing_eos_penalty_looks_at_the_response_only(tiny_dir, vowel_rm, tmp_path):
-    """PITFALLS #7: an EOS inside the prompt does not count; a response that ends in EOS is not penalised."""
+    """docs/pitfalls.md #7: an EOS inside the prompt does not count; a response that ends in EOS is not penalised."""
     from posttrain.trainers.ppo import PPOTrainer
 
     trainer = PPOTrainer(_ppo(tiny_dir, vowel_rm, tmp_path, "eos", "missing_eos_penalty=2.0", "critic=policy"))

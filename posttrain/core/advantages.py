@@ -36,7 +36,7 @@ def gae(
         δ_t = r_t + γ·V_{t+1} − V_t,      A_t = δ_t + γλ·A_{t+1},      returns_t = A_t + V_t
 
     with V_{t+1} = 0 and A_{t+1} = 0 after the last valid token: the response ends there, so
-    nothing is bootstrapped from padding (PITFALLS #12).
+    nothing is bootstrapped from padding (docs/pitfalls.md #12).
 
     rewards, values: [B, T]; mask: [B, T], 1 = response token, each row ones then zeros.
     Returns (advantages [B, T], returns [B, T]), both 0 at masked positions.
@@ -73,7 +73,7 @@ def _scored(grouped: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Ten
 
 def _zero_constant_groups(grouped: torch.Tensor, centered: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """Exactly 0 for a group whose scored rows are all equal (or fewer than two), and for unscored rows:
-    r − mean can leave a float residue that a std-division turns into huge advantages (PITFALLS #9)."""
+    r − mean can leave a float residue that a std-division turns into huge advantages (docs/pitfalls.md #9)."""
     high = torch.where(scored, grouped, -torch.inf).amax(dim=1, keepdim=True)
     low = torch.where(scored, grouped, torch.inf).amin(dim=1, keepdim=True)
     flat = (high <= low) | (scored.sum(dim=1, keepdim=True) < 2)

@@ -34,7 +34,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
     Equal to ``torch.log_softmax(logits.float() / τ, -1).gather(-1, tokens[..., None])[..., 0]``
     without holding its [B, T, V] float32 result. τ must be the sampling temperature: the PPO ratio
-    compares these with the sampler's log-probs (PITFALLS #4).
+    compares these with the sampler's log-probs (docs/pitfalls.md #4).
 
     logits: [B, T, V], any float dtype (computed in float32, float64 kept as is).
     tokens: [B, T] integer ids in [0, V); the token at position t is scored by logits[:, t].

@@ -2,7 +2,7 @@
 
 Every per-token loss is written separately from its reduction (``aggregate_loss``), because the
 reduction is where GRPO variants differ (Dr. GRPO, Liu et al. 2025; DAPO, Yu et al. 2025) and where
-micro-batching bugs live (PITFALLS #1, #2).
+micro-batching bugs live (docs/pitfalls.md #1, #2).
 """
 
 from __future__ import annotations

@@ -77,6 +77,6 @@ def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that count only attended tokens: [B, L] → [B, L], 0 at and before the first token.
 
-    Left-padded rows then see the same positions as unpadded ones (PITFALLS #6).
+    Left-padded rows then see the same positions as unpadded ones (docs/pitfalls.md #6).
     """
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

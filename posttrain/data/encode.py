@@ -6,11 +6,11 @@ of the completion and get trained; whitespace a template renders after its end-o
 (Qwen's ``<|im_end|>\\n``) is left out, because generation stops at that token: the reward model
 is then trained reading the score at the token PPO reads it at. Without a template, prompt and
 completion are concatenated and the EOS token is appended to the completion: the model must learn
-to stop (PITFALLS #7).
+to stop (docs/pitfalls.md #7).
 
 Over-long rows follow ``overlong``: ``truncate`` shortens the prompt's text from the left (its
 start is the part furthest from the answer) and renders it again, so the template stays intact
-(PITFALLS #17), then cuts the completion on the right; ``drop`` drops the row; ``error`` raises.
+(docs/pitfalls.md #17), then cuts the completion on the right; ``drop`` drops the row; ``error`` raises.
 A row left without completion tokens is dropped, never trained on.
 """
 

@@ -16,7 +16,7 @@ A ``messages`` conversation must end with the assistant's turn; with one assista
 prompt-completion pair (prompt = the messages before it), with several every one is trained
 (``posttrain.data.formats``).
 
-A malformed row raises ``DataError`` naming the file, the line and the field (PITFALLS #16); with
+A malformed row raises ``DataError`` naming the file, the line and the field (docs/pitfalls.md #16); with
 ``on_malformed="skip"`` it is skipped and counted instead. Nothing malformed reaches a loss.
 """
 

@@ -2,7 +2,7 @@
 
 Every role used for RL (policy, reference, reward, value) runs without dropout: two forward passes
 on the same input must be bit-identical, or the PPO ratio is not 1 at the first minibatch
-(PITFALLS #5). ``disable_dropout`` zeroes every dropout module, every dropout rate a module copied
+(docs/pitfalls.md #5). ``disable_dropout`` zeroes every dropout module, every dropout rate a module copied
 from the config when it was built, and the config's rates, so the model is deterministic in
 ``train()`` mode too. Models are returned in train mode, which transformers needs to checkpoint
 gradients (``gradient_checkpointing``); the frozen roles (reference, reward model) switch
@@ -98,7 +98,7 @@ def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bo
     """AutoTokenizer with a pad token: when the checkpoint has none, the EOS token doubles as pad.
 
     That is safe in posttrain because every mask comes from lengths and attention masks, never from
-    comparing ids with ``pad_token_id`` (PITFALLS #7, #8).
+    comparing ids with ``pad_token_id`` (docs/pitfalls.md #7, #8).
     """
     from transformers import AutoTokenizer
 

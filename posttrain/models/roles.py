@@ -3,7 +3,7 @@
 Forward passes take one layout everywhere: ``input_ids`` [B, L] = prompt (left-padded, length P)
 followed by the response (right-padded, length T), with an ``attention_mask`` that is 1 on real
 tokens. Position ids always come from the attention mask (``position_ids_from_mask``), so a sequence
-gets the same numbers alone, left-padded or right-padded (PITFALLS #6).
+gets the same numbers alone, left-padded or right-padded (docs/pitfalls.md #6).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
 
     input_ids, attention_mask: [B, L], any padding side. Returns [B]. The index comes from the
     attention mask, never from ``pad_token_id``, so it is right when pad == eos, when the response
-    has no EOS, and when EOS appears inside the prompt (PITFALLS #8). A checkpoint whose config holds
+    has no EOS, and when EOS appears inside the prompt (docs/pitfalls.md #8). A checkpoint whose config holds
     ``reward_normalization = {"mean": m, "std": s}`` (``posttrain rm`` with ``normalize_policy``)
     returns (score − m) / s.
     """
@@ -192,7 +192,7 @@ def load_policy(config: ModelConfig) -> nn.Module:
 
     A policy that starts from a trained adapter also loads that adapter a second time, frozen, as
     ``"reference"``: the reference is the adapter's starting state, not the bare base model, so KL
-    is 0 at step 0 (PITFALLS #11).
+    is 0 at step 0 (docs/pitfalls.md #11).
     """
     config.validate("policy")
     if is_peft_adapter(config.path):

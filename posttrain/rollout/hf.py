@@ -1,7 +1,7 @@
 """Rollout with Hugging Face ``generate``: KV cache, left-padded prompts, log-probs kept while sampling.
 
 The sampling log-probs are log_softmax(raw logits / τ) at the sampled token, the same quantity the
-training forward recomputes with ``core.token_logprobs`` (PITFALLS #4). They are taken before
+training forward recomputes with ``core.token_logprobs`` (docs/pitfalls.md #4). They are taken before
 top-k/top-p and before min-new-tokens forbids EOS: those change which token is drawn, not the
 policy's probability of it. The recorder keeps one [B, V] row of logits at a time (the token drawn
 at step t is only known at step t + 1), never the [B, T, V] of ``output_logits=True``.

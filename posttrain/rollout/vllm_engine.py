@@ -11,7 +11,7 @@ merged in place, so no unmerge rounding drifts its base weights).
 vLLM returns its own sampling log-probs (``logprobs_mode=processed_logprobs``: log_softmax of the
 logits after temperature, top-k/top-p and min-tokens, i.e. of the distribution it sampled from);
 they are ``Rollout.logprobs`` and ``logprobs_exact`` is False, so the trainer recomputes the old
-log-probs with its own forward and logs the gap (PITFALLS #4).
+log-probs with its own forward and logs the gap (docs/pitfalls.md #4).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ recomputes the learning-rate schedule for the new length. Nothing non-finite is 
 model with a NaN or inf weight raises ``NonFiniteError`` instead of being saved.
 
 A checkpoint is written under ``.tmp-step-000120``, flushed to disk, then renamed: a process killed
-while saving leaves the previous checkpoint as the latest one (PITFALLS #14).
+while saving leaves the previous checkpoint as the latest one (docs/pitfalls.md #14).
 """
 
 from __future__ import annotations
