@@ -27,6 +27,8 @@ from posttrain.models import (
     load_tokenizer,
     sequence_logprobs,
 )
+from posttrain.models.roles import is_peft_model
+from posttrain.trainers import engines
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -170,13 +172,21 @@ class DPOTask:
         return metrics
 
 
-def build_reference(config: DPOConfig, policy, device) -> Reference:
+def build_reference(config: DPOConfig, policy, accelerator) -> Reference:
+    """The frozen reference, placed for the engine (``engines.prepare_frozen``: sharded under ZeRO-3)."""
+    device = str(accelerator.device)
     if config.reference_path:
-        model = load_causal_lm(replace(config.model, path=config.reference_path, lora=None, device=str(device)))
-        return Reference(model=model)
-    reference = Reference.from_policy(policy, share=config.reference)
+        reference = Reference(
+            model=load_causal_lm(replace(config.model, path=config.reference_path, lora=None, device=device))
+        )
+    elif engines.zero_stage(accelerator) == 3 and not (is_peft_model(policy) and config.reference != "copy"):
+        # a ZeRO-3 policy may already be sharded at load (zero.Init): a deep copy would copy shards, not
+        # weights. The starting policy is its checkpoint, loaded again.
+        reference = Reference(model=load_policy(replace(config.model, device=device)))
+    else:
+        reference = Reference.from_policy(policy, share=config.reference)
     if reference.model is not None:
-        reference.model.to(device)
+        reference.model = engines.prepare_frozen(accelerator, reference.model)
     return reference
 
 
@@ -206,8 +216,10 @@ def train(config: DPOConfig, callbacks=()) -> dict:
     policy = load_policy(replace(config.model, device=str(accelerator.device)))
     task = DPOTask(None, tokenizer.pad_token_id, config)
     if config.reference == "precompute":
-        if config.reference_path:  # a separate model, loaded for the pass and dropped after it
-            task.reference = build_reference(config, policy, accelerator.device)
+        if config.reference_path or engines.zero_stage(accelerator) == 3:
+            # a separate model, loaded for the pass and dropped after it (under ZeRO-3 the policy may be
+            # sharded already, and only a prepared engine runs a sharded forward)
+            task.reference = build_reference(config, policy, accelerator)
             forward = task.reference_logps
         else:  # the starting policy is the reference: no copy at all
             forward = partial(completion_logps, policy, average=task.average)
@@ -220,7 +232,7 @@ def train(config: DPOConfig, callbacks=()) -> dict:
         )
         task.reference = None
     else:
-        task.reference = build_reference(config, policy, accelerator.device)
+        task.reference = build_reference(config, policy, accelerator)
     result = run_offline(
         task,
         Trainable(policy, {"policy": policy}),
