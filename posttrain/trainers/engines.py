@@ -202,13 +202,17 @@ def prepare_frozen(accelerator, model: torch.nn.Module) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def full_parameters(accelerator, model):
-    """Every parameter of ``model`` whole on this process for the duration (e.g. one rollout's generation
-    from a ZeRO-3 policy), released after; other engines already hold them whole. Yields the module."""
-    module = accelerator.unwrap_model(model)
-    if zero_stage(accelerator) != 3:
-        yield module
-        return
-    import deepspeed
+    """Every parameter of the prepared ``model`` whole on this process for the duration (one rollout's
+    generation from a ZeRO-3 policy), released after; other engines hold them whole already. Yields the
+    module to call.
 
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
-        yield module
+    ZeRO-3: DeepSpeed's own ``unwrap_model_for_generation`` gathers the shards once and takes the
+    engine's forward hooks off meanwhile (they would release each layer after its forward and gather it
+    again for every generated token), then puts them back."""
+    if zero_stage(accelerator) != 3:
+        yield accelerator.unwrap_model(model)
+        return
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(model):
+        yield accelerator.unwrap_model(model)
