@@ -19,6 +19,7 @@ import ddp_driver
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_ddp_roles import _runs as ddp_runs
 
 from posttrain.data.synthetic import vowel_pairs
 from posttrain.trainers.metrics import read_metrics
@@ -114,6 +115,41 @@ def test_zero_on_two_processes_matches_one_plain_process(stage, tiny_dir, tmp_pa
         assert losses[1] == pytest.approx(losses[0], rel=1e-5), name
     evals = [[r["eval/loss"] for r in read_metrics(d / "sft") if "eval/loss" in r] for d in (one_root, tmp_path)]
     assert len(evals[1]) == 1 and evals[1] == pytest.approx(evals[0], rel=1e-5)
+
+
+ONLINE = ("grpo", "ppo_reward", "ppo_policy", "ppo_shared")
+
+
+@pytest.fixture(scope="module")
+def one_process_online(tiny_dir, tmp_path_factory):
+    """GRPO and PPO with each critic (tests/test_ddp_roles.py's runs: greedy sampling, 2 steps, global
+    batch 8) on one plain process."""
+    root = tmp_path_factory.mktemp("online")
+    runs = {k: v for k, v in ddp_runs(tiny_dir, root, "one").items() if k in ONLINE}
+    assert ddp_driver.run([(kind, overrides) for kind, overrides, _ in runs.values()]) == [1] * len(runs)
+    return root, runs
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grpo_and_ppo_under_zero_on_two_processes_match_one_plain_process(stage, tiny_dir, one_process_online):
+    """Generation from the (ZeRO-3: gathered) policy, the frozen reference and reward model (ZeRO-3:
+    sharded), and PPO's critic as a second DeepSpeed engine (critic=reward, critic=policy) or a value head
+    on the policy (critic=shared): the same two steps as one plain process."""
+    root, one = one_process_online
+    two = {k: v for k, v in ddp_runs(tiny_dir, root, f"zero{stage}").items() if k in ONLINE}
+    spec = root / f"zero{stage}.json"
+    spec.write_text(json.dumps([(kind, overrides) for kind, overrides, _ in two.values()]))
+    assert json.loads(_launch(stage, str(DRIVER), str(spec))) == [2] * len(two)
+    for name, (_, _, saved) in one.items():
+        for file in saved:
+            a = load_file(root / "one" / name / "final" / file)
+            b = load_file(root / f"zero{stage}" / name / "final" / file)
+            for k in a:
+                torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=f"ZeRO-{stage} {name} {file} {k}")
+        keys = ("grad_norm", "critic_grad_norm") if name in ("ppo_reward", "ppo_policy") else ("grad_norm",)
+        for key in keys:  # the critic's own engine steps too
+            norms = [[r[key] for r in read_metrics(root / d / name) if key in r] for d in ("one", f"zero{stage}")]
+            assert len(norms[1]) == 2 and norms[1] == pytest.approx(norms[0], rel=1e-5), (name, key)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

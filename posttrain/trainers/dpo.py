@@ -22,12 +22,10 @@ from posttrain.data import DataConfig, PreferenceExample, SequenceBatch, collate
 from posttrain.models import (
     ModelConfig,
     Reference,
-    load_causal_lm,
     load_policy,
     load_tokenizer,
     sequence_logprobs,
 )
-from posttrain.models.roles import is_peft_model
 from posttrain.trainers import engines
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
@@ -173,21 +171,8 @@ class DPOTask:
 
 
 def build_reference(config: DPOConfig, policy, accelerator) -> Reference:
-    """The frozen reference, placed for the engine (``engines.prepare_frozen``: sharded under ZeRO-3)."""
-    device = str(accelerator.device)
-    if config.reference_path:
-        reference = Reference(
-            model=load_causal_lm(replace(config.model, path=config.reference_path, lora=None, device=device))
-        )
-    elif engines.zero_stage(accelerator) == 3 and not (is_peft_model(policy) and config.reference != "copy"):
-        # a ZeRO-3 policy may already be sharded at load (zero.Init): a deep copy would copy shards, not
-        # weights. The starting policy is its checkpoint, loaded again.
-        reference = Reference(model=load_policy(replace(config.model, device=device)))
-    else:
-        reference = Reference.from_policy(policy, share=config.reference)
-    if reference.model is not None:
-        reference.model = engines.prepare_frozen(accelerator, reference.model)
-    return reference
+    share = "copy" if config.reference == "precompute" else config.reference  # precompute: a copy, for one pass
+    return engines.build_reference(accelerator, policy, config.model, share, config.reference_path)
 
 
 def precompute_reference(forward, examples: list[DPOExample], pad_id: int, micro_batch_size: int, device) -> None:

@@ -37,9 +37,12 @@ import contextlib
 import math
 import os
 from copy import deepcopy
+from dataclasses import replace
 
 import torch
 
+from posttrain.models import ModelConfig, Reference, load_causal_lm, load_policy
+from posttrain.models.roles import is_peft_model
 from posttrain.trainers.config import RunConfig
 
 
@@ -167,16 +170,23 @@ def deepspeed_step(accelerator, model, scheduler, guard, step: int, loss: float)
     return norm
 
 
-def prepare_frozen(accelerator, model: torch.nn.Module) -> torch.nn.Module:
+def prepare_frozen(accelerator, model: torch.nn.Module, device: str | None = None) -> torch.nn.Module:
     """A frozen role (reference policy, reward model) ready for forwards on this process.
 
     ZeRO-3: a DeepSpeed inference engine of stage 3, its parameters sharded over the processes and
     gathered layer by layer in each forward (TRL's ``prepare_deepspeed``): 2N/d bytes per process instead
-    of 2N. Every process must then run the same number of forwards. Otherwise: the model on this
-    process's device (one full copy per process; under ZeRO-2 only trained states are sharded).
+    of 2N. Every process must then run the same number of forwards. Otherwise: the model on ``device``
+    (default this process's device): one full copy per process; under ZeRO-2 only trained states are
+    sharded. A ``device`` (an offload to the CPU) is refused under ZeRO-3, which shards the role instead.
     """
     if zero_stage(accelerator) != 3:
-        return model.to(accelerator.device)
+        return model.to(device or accelerator.device)
+    if device is not None:
+        raise ValueError(
+            f"a frozen role placed on {device!r}: under DeepSpeed ZeRO-3 the frozen roles are sharded over the "
+            "processes instead; leave reference_device / reward_device unset (offload_param_device in the "
+            "DeepSpeed config offloads the shards)"
+        )
     import deepspeed
 
     plugin = accelerator.state.deepspeed_plugin
@@ -198,6 +208,27 @@ def prepare_frozen(accelerator, model: torch.nn.Module) -> torch.nn.Module:
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     return engine
+
+
+def build_reference(
+    accelerator, policy, model: ModelConfig, share: str, path: str | None = None, device: str | None = None
+) -> Reference:
+    """The frozen reference policy π_ref, placed for the engine (``prepare_frozen``).
+
+    ``path``: a separate reference checkpoint; else the starting policy: shared weights with the adapter
+    off (``share``, ``Reference.from_policy``) or a frozen copy. Under ZeRO-3 the policy may already be
+    sharded when it is loaded (zero.Init), and a deep copy would copy shards, not weights: the copy is
+    the starting checkpoint loaded again (as TRL loads its reference under ZeRO-3)."""
+    load_device = device or str(accelerator.device)
+    if path:
+        reference = Reference(model=load_causal_lm(replace(model, path=path, lora=None, device=load_device)))
+    elif zero_stage(accelerator) == 3 and not (is_peft_model(policy) and share != "copy"):
+        reference = Reference(model=load_policy(replace(model, device=load_device)))
+    else:
+        reference = Reference.from_policy(policy, share=share)
+    if reference.model is not None:
+        reference.model = prepare_frozen(accelerator, reference.model, device)
+    return reference
 
 
 @contextlib.contextmanager
