@@ -153,11 +153,19 @@ def test_grpo_and_ppo_under_zero_on_two_processes_match_one_plain_process(stage,
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_engine_skips_non_finite_updates_and_shards_frozen_roles(stage):
+def test_engine_skips_non_finite_updates_and_shards_frozen_roles(stage, tiny_dir, tmp_path):
     """tests/deepspeed_checks.py under ZeRO: a non-finite loss with a zero gradient leaves parameters and
-    schedule as they were (the same zero gradient with a finite loss moves them, through Adam's momentum),
-    and a frozen role is sharded under ZeRO-3 (half of it on each of the two processes) with the same forward."""
-    out = json.loads(_launch(stage, str(Path(__file__).parent / "deepspeed_checks.py")))
+    schedule as they were (the same zero gradient with a finite loss moves them, through Adam's momentum);
+    a frozen role is sharded under ZeRO-3 (half of it on each of the two processes) with the same forward;
+    a DeepSpeed config contradicting posttrain's fields, and vLLM under ZeRO-3, are refused naming the field."""
+    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)])
+    checks = str(Path(__file__).parent / "deepspeed_checks.py")
+    out = json.loads(_launch(stage, checks, str(tiny_dir / "policy"), prompts, str(tmp_path / "grpo")))
+    assert "gradient_clipping=0.5" in out["conflict"] and "optim.max_grad_norm" in out["conflict"]
+    if stage == 3:
+        assert "rollout.engine=vllm" in out["vllm_refused"], out["vllm_refused"]
+    else:  # ZeRO-2 does not refuse vLLM (here the colocated engine is refused for having 2 processes)
+        assert "ZeRO-3" not in out["vllm_refused"], out["vllm_refused"]
     assert out["engine"] == f"DeepSpeed ZeRO-{stage}, 2 process(es) on cpu"
     assert out["inf_loss_unchanged"] and out["inf_loss_schedule_waited"] and out["inf_loss_skips"] == 1
     assert out["zero_grad_moves"] and out["zero_grad_skips"] == 1

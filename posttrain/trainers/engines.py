@@ -15,7 +15,7 @@ the ``ACCELERATE_DEEPSPEED_*`` variables. What differs from DDP, and why:
   last of the step (``set_gradient_accumulation_boundary``), so ZeRO-2/3 reduce-scatter the gradients
   and step once per optimizer step. DDP's ``no_sync`` does not exist under ZeRO-2/3. The loss is not
   divided by the accumulation count (``scale_wrt_gas=False``): the loop already back-propagates each
-  micro-batch's share of the step's global mean (loop.py, PITFALLS #1).
+  micro-batch's share of the step's global mean (``loop.backward_share``, docs/pitfalls.md #1).
 - **Clipping and the step** happen inside ``engine.step()``. ZeRO computes the global gradient norm and
   skips the update itself when it is not finite (parameters, optimizer state unchanged, gradients
   cleared). A non-finite *loss* is turned into a NaN gradient (the micro-batch's backward is scaled by
