@@ -87,7 +87,9 @@ def zero_stage(accelerator) -> int | None:
 def describe(accelerator) -> str:
     """One line for the start of a run: which engine, how many processes."""
     stage = zero_stage(accelerator)
-    kind = f"DeepSpeed ZeRO-{stage}" if stage is not None else str(accelerator.distributed_type).split(".")[-1]
+    kind = str(accelerator.distributed_type).split(".")[-1]
+    kind = {"NO": "plain", "MULTI_CPU": "DDP", "MULTI_GPU": "DDP"}.get(kind, kind)
+    kind = f"DeepSpeed ZeRO-{stage}" if stage is not None else kind
     return f"{kind}, {accelerator.num_processes} process(es) on {accelerator.device.type}"
 
 
