@@ -162,8 +162,8 @@ def deepspeed_step(accelerator, model, scheduler, guard, step: int, loss: float)
     Returns the gradient norm before clipping (NaN for a skipped update)."""
     model.step()
     applied = model.was_step_applied()
-    norm = model.get_global_grad_norm()
-    norm = float(norm) if applied and norm is not None else math.nan
+    norm = model.get_global_grad_norm()  # None when the DeepSpeed config turns its computation off
+    norm = math.nan if not applied else 0.0 if norm is None else float(norm)
     fp16 = accelerator.state.deepspeed_plugin.deepspeed_config.get("fp16", {}).get("enabled") is True
     # fp16: the loss scaler skips overflowing steps by design (and lowers its scale): only a non-finite loss counts
     allowed = guard.allows(step, loss=loss, grad_norm=0.0 if fp16 else norm)
