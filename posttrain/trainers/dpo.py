@@ -22,11 +22,11 @@ from posttrain.data import DataConfig, PreferenceExample, SequenceBatch, collate
 from posttrain.models import (
     ModelConfig,
     Reference,
-    load_causal_lm,
     load_policy,
     load_tokenizer,
     sequence_logprobs,
 )
+from posttrain.trainers import engines
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -170,14 +170,9 @@ class DPOTask:
         return metrics
 
 
-def build_reference(config: DPOConfig, policy, device) -> Reference:
-    if config.reference_path:
-        model = load_causal_lm(replace(config.model, path=config.reference_path, lora=None, device=str(device)))
-        return Reference(model=model)
-    reference = Reference.from_policy(policy, share=config.reference)
-    if reference.model is not None:
-        reference.model.to(device)
-    return reference
+def build_reference(config: DPOConfig, policy, accelerator) -> Reference:
+    share = "copy" if config.reference == "precompute" else config.reference  # precompute: a copy, for one pass
+    return engines.build_reference(accelerator, policy, config.model, share, config.reference_path)
 
 
 def precompute_reference(forward, examples: list[DPOExample], pad_id: int, micro_batch_size: int, device) -> None:
@@ -206,8 +201,10 @@ def train(config: DPOConfig, callbacks=()) -> dict:
     policy = load_policy(replace(config.model, device=str(accelerator.device)))
     task = DPOTask(None, tokenizer.pad_token_id, config)
     if config.reference == "precompute":
-        if config.reference_path:  # a separate model, loaded for the pass and dropped after it
-            task.reference = build_reference(config, policy, accelerator.device)
+        if config.reference_path or engines.zero_stage(accelerator) == 3:
+            # a separate model, loaded for the pass and dropped after it (under ZeRO-3 the policy may be
+            # sharded already, and only a prepared engine runs a sharded forward)
+            task.reference = build_reference(config, policy, accelerator)
             forward = task.reference_logps
         else:  # the starting policy is the reference: no copy at all
             forward = partial(completion_logps, policy, average=task.average)
@@ -220,7 +217,7 @@ def train(config: DPOConfig, callbacks=()) -> dict:
         )
         task.reference = None
     else:
-        task.reference = build_reference(config, policy, accelerator.device)
+        task.reference = build_reference(config, policy, accelerator)
     result = run_offline(
         task,
         Trainable(policy, {"policy": policy}),

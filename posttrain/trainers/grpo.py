@@ -37,10 +37,11 @@ from posttrain.core import (
     shape_rewards,
 )
 from posttrain.data import DataConfig
-from posttrain.models import ModelConfig, Reference, load_policy
+from posttrain.models import ModelConfig, load_policy
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty, unpad
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams, concat_rollouts
+from posttrain.trainers import engines
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -65,7 +66,6 @@ from posttrain.trainers.online import (
     old_logprobs_of,
     policy_logprobs,
     reference_logprobs,
-    sample,
     train_minibatch,
 )
 
@@ -277,7 +277,7 @@ class GRPOTrainer(OnlineTrainer):
         policy = load_policy(replace(config.model, device="cpu"))
         self.reference = None
         if config.kl_coef > 0:  # kl_coef = 0 loads no reference at all
-            self.reference = Reference.from_policy(policy, share=config.reference)
+            self.reference = engines.build_reference(acc, policy, config.model, config.reference)
         updates = self.total_steps * config.num_iterations * config.minibatches
         optimizer, scheduler = build_optimizer(
             [p for p in policy.parameters() if p.requires_grad], config.optim, updates
@@ -285,8 +285,6 @@ class GRPOTrainer(OnlineTrainer):
         model, optimizer = acc.prepare(policy, optimizer)
         acc.register_for_checkpointing(scheduler)
         self.actor = Optimized(model, optimizer, scheduler, NonFiniteGuard(acc, config.run), config.optim.max_grad_norm)
-        if self.reference is not None and self.reference.model is not None:
-            self.reference.model.to(acc.device)
         self.passes = {"old_logprobs": 0, "reference": 0, "policy_train": 0}
         self.start_engine(acc.unwrap_model(model))
 
@@ -360,12 +358,8 @@ class GRPOTrainer(OnlineTrainer):
                 break
             tries += 1
             with timer("generate"):
-                rollout, columns = sample(
-                    self.engine,
-                    self.policy,
-                    self.sampler.take_for_process(need_all, self.prompts, self.accelerator),
-                    cfg.sampling,
-                    G,
+                rollout, columns = self.generate(
+                    self.sampler.take_for_process(need_all, self.prompts, self.accelerator), G
                 )
             with timer("reward"):
                 scores, parts = self._score(rollout, columns)

@@ -16,7 +16,6 @@ reads exactly the batches an uninterrupted one would (docs/pitfalls.md #13).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -30,6 +29,7 @@ from typing import Any, Protocol
 import torch
 import yaml
 
+from posttrain.trainers import engines
 from posttrain.trainers.checkpoint import (
     CONFIG_FILE,
     NonFiniteError,
@@ -90,12 +90,8 @@ def split_train_eval(examples: list, eval_fraction: float, seed: int) -> tuple[l
 
 
 def build_accelerator(run: RunConfig):
-    from accelerate import Accelerator
-
-    # cpu=True on a machine without a GPU is what lets accelerate run several CPU processes (gloo) under torchrun
-    return Accelerator(
-        mixed_precision=run.mixed_precision, step_scheduler_with_optimizer=False, cpu=not torch.cuda.is_available()
-    )
+    """The accelerator of a run: plain, DDP, or DeepSpeed when launched with a ZeRO config (``engines``)."""
+    return engines.build_accelerator(run)
 
 
 def build_optimizer(params, optim: OptimConfig, total_steps: int):
@@ -141,13 +137,13 @@ class Trainable:
     saved: dict[str, torch.nn.Module]
 
 
-def backward_share(accelerator, loss: torch.Tensor, local_units: float, global_units: float) -> float:
+def backward_share(accelerator, model, loss: torch.Tensor, local_units: float, global_units: float) -> float:
     """Back-propagate a micro-batch's ``loss`` — its mean over its ``local_units`` loss units — as its share
     of the mean over all ``global_units`` units of the step (every micro-batch of every process):
 
         ∇ (loss · local_units · world / global_units)
 
-    × world because DDP averages the gradients of the processes. Summed over micro-batches and
+    × world because DDP (and ZeRO) average the gradients of the processes. Summed over micro-batches and
     processes, the gradient is that of the global mean, whatever the split into micro-batches,
     accumulation steps or processes (docs/pitfalls.md #1). The one loss normalisation of every trainer:
     ``run_offline`` (SFT, RM, DPO) and ``online.train_minibatch`` (PPO, GRPO) call it.
@@ -155,7 +151,7 @@ def backward_share(accelerator, loss: torch.Tensor, local_units: float, global_u
     Returns the weight local_units · world / global_units (the micro-batch's weight in the step's means).
     """
     weight = float(local_units) * accelerator.num_processes / max(float(global_units), 1.0)
-    accelerator.backward(loss * weight)
+    engines.backward(accelerator, model, loss * weight)  # ``model``: the prepared one (a DeepSpeed engine steps itself)
     return weight
 
 
@@ -181,6 +177,7 @@ def run_offline(
     optimizer, scheduler = build_optimizer(
         [p for p in trainable.model.parameters() if p.requires_grad], config.optim, total_steps
     )
+    engines.configure(accelerator, micro, per_process // micro, config.optim.max_grad_norm)
     model, optimizer = accelerator.prepare(trainable.model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     saved = {role: (model if m is trainable.model else m) for role, m in trainable.saved.items()}
@@ -260,9 +257,9 @@ def accumulate_gradients(accelerator, task: Task, model, batches: list) -> tuple
     sums: dict[str, torch.Tensor] = {}
     tokens, step_loss = 0, torch.zeros((), device=device)
     for k, (batch, count) in enumerate(zip(batches, counts, strict=True)):
-        with contextlib.nullcontext() if k == len(batches) - 1 else accelerator.no_sync(model):
+        with engines.micro_batch(accelerator, model, last=k == len(batches) - 1):
             loss_sum, batch_sums = task.loss(model, batch.to(device))
-            weight = backward_share(accelerator, loss_sum / max(count, 1), count, global_count)
+            weight = backward_share(accelerator, model, loss_sum / max(count, 1), count, global_count)
         tokens += batch.num_tokens
         step_loss = step_loss + loss_sum.detach() * weight / max(count, 1)
         for name, value in batch_sums.items():
@@ -273,15 +270,24 @@ def accumulate_gradients(accelerator, task: Task, model, batches: list) -> tuple
 
 
 def evaluate_offline(accelerator, task: Task, model, examples: list, micro: int) -> dict[str, float]:
-    """``eval/<metric>`` of ``task`` on ``examples``, each process scoring every world-th example."""
+    """``eval/<metric>`` of ``task`` on ``examples``, each process scoring every world-th example.
+
+    Under ZeRO-3 every forward gathers shards from every process, so a process with fewer micro-batches
+    than the others runs its missing forwards on a repeated example and counts nothing from them."""
     model.eval()
     sums, count = {}, 0
     mine = examples[accelerator.process_index :: accelerator.num_processes]
+    forwards = math.ceil(len(mine) / micro)
+    if engines.zero_stage(accelerator) == 3:
+        forwards = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / micro)
     with torch.no_grad():
-        for i in range(0, len(mine), micro):
-            batch = task.collate(mine[i : i + micro])
-            count += task.count(batch)
+        for i in range(forwards):
+            chunk = mine[i * micro : (i + 1) * micro]
+            batch = task.collate(chunk or examples[:1])
             _, batch_sums = task.loss(model, batch.to(accelerator.device))
+            if not chunk:
+                continue
+            count += task.count(batch)
             for k, v in batch_sums.items():
                 sums[k] = sums.get(k, 0.0) + v.detach()
     model.train()
@@ -318,8 +324,11 @@ def optimizer_step(
     process: gradients are synchronised) is not finite, ``guard`` skips the update: parameters,
     optimizer state and schedule stay as they were, as if the batch had not been there. Under fp16
     loss scaling the scaler sees every step: it skips non-finite gradients itself (and lowers its
-    scale); the schedule then waits too, and only a non-finite loss is counted.
+    scale); the schedule then waits too, and only a non-finite loss is counted. Under DeepSpeed the
+    engine clips and steps (``engines.deepspeed_step``).
     """
+    if engines.is_deepspeed(accelerator):
+        return engines.deepspeed_step(accelerator, model, scheduler, guard, step, loss)
     params = [p for p in model.parameters() if p.requires_grad]
     if max_norm is None:
         norms = [p.grad.detach().norm() for p in params if p.grad is not None]

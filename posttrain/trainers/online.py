@@ -25,6 +25,7 @@ from posttrain.data import PromptExample, load_prompts
 from posttrain.models import Reference, load_tokenizer, response_logprobs
 from posttrain.monitor import RunMonitor
 from posttrain.rollout import Rollout, RolloutConfig, RolloutEngine, SamplingParams, build_engine
+from posttrain.trainers import engines
 from posttrain.trainers.checkpoint import save_checkpoint
 from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.loop import (
@@ -76,15 +77,31 @@ class OnlineTrainer:
             1, math.ceil(config.run.epochs * len(self.prompts) / prompts_per_step)
         )
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
+        # the training engine's batch sizes: micro-batches of a minibatch's rows on this process
+        rows = self.local_prompts * config.num_generations // config.minibatches
+        micro = min(config.run.micro_batch_size, rows)
+        engines.configure(acc, micro, math.ceil(rows / micro), config.optim.max_grad_norm)
+        acc.print(f"[{self.name}] training engine: {engines.describe(acc)}")
 
     def start_engine(self, policy) -> None:
         """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
+        if engines.zero_stage(self.accelerator) == 3 and self.config.rollout.engine == "vllm":
+            raise ValueError(
+                "rollout.engine=vllm under DeepSpeed ZeRO-3: handing sharded weights to vLLM is not built; "
+                "use rollout.engine=hf or lean, or ZeRO-2 (examples/accelerate/zero2.yaml)"
+            )
         self.policy = policy
         self.accelerator.print(f"[{self.name}] rollout: {self.config.rollout.describe()}")
         self.engine = build_engine(
             self.config.rollout, policy, self.tokenizer, self.config.model.path, self.config.run.seed
         )
         self.monitor = RunMonitor(self.config, self.eval_prompts, self.tokenizer, self.accelerator, *self.SCORE_KEYS)
+
+    def generate(self, prompts: list[PromptExample], n: int) -> tuple[Rollout, dict]:
+        """``sample``: ``n`` responses to each prompt from the current policy. Under ZeRO-3 the policy's
+        shards are gathered for the rollout and released after (``engines.full_parameters``)."""
+        with engines.full_parameters(self.accelerator, self.actor.model):
+            return sample(self.engine, self.policy, prompts, self.config.sampling, n)
 
     # -- what a subclass provides -------------------------------------------------------------------
 
@@ -215,9 +232,9 @@ def train_minibatch(
     slices = micro_slices(len(mask), micro_batch_size)
     stats, total = StatsAccumulator(), 0.0
     for k, s in enumerate(slices):
-        with contextlib.nullcontext() if k == len(slices) - 1 else accelerator.no_sync(trained.model):
+        with engines.micro_batch(accelerator, trained.model, last=k == len(slices) - 1):
             loss, loss_stats = loss_fn(s)
-            weight = backward_share(accelerator, loss, aggregation_units(mask[s], loss_agg), units)
+            weight = backward_share(accelerator, trained.model, loss, aggregation_units(mask[s], loss_agg), units)
         total = total + (loss * weight).detach()
         stats.add(loss_stats, weight)
     grad_norm = optimizer_step(
