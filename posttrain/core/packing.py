@@ -161,6 +161,57 @@ def shared_prefix_token_logprobs(
     return torch.where(is_first, first, later), response_mask
 
 
+def predictor_positions(batch: SharedPrefixBatch) -> torch.Tensor:
+    """[N, T]: the position whose logits (or hidden state) predict each response token: the prompt's
+    last position P − 1 for token 0, the position before it for the others (garbage past a
+    response's length: select with ``response_index``'s mask)."""
+    _, positions, _ = response_index(batch)
+    prompt_end = (batch.prompt_lengths[batch.response_rows] - 1)[:, None]  # [N, 1]
+    is_first = torch.arange(positions.shape[1], device=positions.device) == 0
+    return torch.where(is_first, prompt_end, positions - 1)
+
+
+def gather_at_predictors(values: torch.Tensor, batch: SharedPrefixBatch) -> torch.Tensor:
+    """A per-position quantity of the packed rows read where each response token is predicted.
+
+    values: [R, W, ...] for the last W positions (W ≥ L − ``first_logit_position``), e.g. the entropy
+    of the next-token distribution [R, W] or hidden states [R, W, H]. Returns [N, T, ...].
+    """
+    offset = batch.input_ids.shape[1] - values.shape[1]
+    return values[batch.response_rows[:, None], (predictor_positions(batch) - offset).clamp(min=0)]
+
+
+def pack_groups(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    prompt_index: torch.Tensor,
+    pad_id: int = 0,
+) -> tuple[SharedPrefixBatch, torch.Tensor] | None:
+    """Sampled rows that answer the same prompt, packed: one row per prompt, then its responses.
+
+    prompt_ids, prompt_mask: [B, P_len] (left-padded, 1 = prompt token); response_ids, response_mask:
+    [B, T] (right-padded, 1 = response token); prompt_index: [B], rows with equal values share a
+    prompt (a rollout's G samples). Returns (the packed batch, [B] the packed response of each row, in
+    ``response_rows`` order), or None when a row has no response token (nothing to score there).
+    """
+    lengths = response_mask.sum(1).tolist()
+    if min(lengths) == 0:
+        return None
+    groups: dict[int, list[int]] = {}
+    for b, key in enumerate(prompt_index.tolist()):
+        groups.setdefault(key, []).append(b)
+    prompts, responses, order = [], [], []
+    for rows in groups.values():
+        prompts.append(prompt_ids[rows[0]][prompt_mask[rows[0]].bool()].tolist())
+        responses.append([response_ids[b, : lengths[b]].tolist() for b in rows])
+        order += rows
+    response_of_row = torch.empty(len(order), dtype=torch.long)
+    response_of_row[torch.tensor(order)] = torch.arange(len(order))
+    return pack_shared_prefix(prompts, responses, pad_id), response_of_row
+
+
 def response_last_positions(batch: SharedPrefixBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [N], positions [N]) of each response's last token: where a reward model reads its score."""
     return batch.response_rows, batch.response_starts + batch.response_lengths - 1

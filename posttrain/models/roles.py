@@ -20,6 +20,7 @@ from torch import nn
 from posttrain.core import entropy_from_logits, last_valid_index, position_ids_from_mask, token_logprobs
 from posttrain.core.packing import (
     SharedPrefixBatch,
+    gather_at_predictors,
     pack_shared_prefix,
     response_last_positions,
     shared_prefix_attention_mask,
@@ -196,14 +197,20 @@ def _packed_attention_mask(model: nn.Module, batch: SharedPrefixBatch) -> torch.
 
 
 def shared_prefix_logprobs(
-    model: nn.Module, batch: SharedPrefixBatch, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π of every response token of packed rows: (logprobs [N, T], response_mask [N, T]).
+    model: nn.Module,
+    batch: SharedPrefixBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """log π of every response token of packed rows: (logprobs [N, T], entropy [N, T] or None,
+    response_mask [N, T]).
 
     One forward over the R rows of ``batch`` (``core.packing``: prompt once, then its responses, each
     attending to the prompt and to itself); the logits are computed from the earliest prompt end on
     only. Equal to ``response_logprobs`` of each (prompt, response) alone up to float rounding, for
-    the models ``shared_prefix_unsupported`` accepts.
+    the models ``shared_prefix_unsupported`` accepts; the entropy likewise (a detached metric unless
+    ``entropy_grad``).
     """
     keep = batch.input_ids.shape[1] - batch.first_logit_position
     logits = model(
@@ -213,7 +220,12 @@ def shared_prefix_logprobs(
         use_cache=False,
         logits_to_keep=keep,
     ).logits  # [R, keep, V]
-    return shared_prefix_token_logprobs(logits, batch, temperature)
+    logprobs, response_mask = shared_prefix_token_logprobs(logits, batch, temperature)
+    entropy = None
+    if with_entropy:
+        per_position = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
+        entropy = gather_at_predictors(per_position, batch)  # [N, T]
+    return logprobs, entropy, response_mask
 
 
 def shared_prefix_scores(model: nn.Module, batch: SharedPrefixBatch) -> torch.Tensor:
@@ -425,6 +437,13 @@ class Reference:
                 model, input_ids.to(device), attention_mask.to(device), response_length, temperature
             )
         return logprobs.to(input_ids.device)
+
+    def shared_prefix_logprobs(self, batch: SharedPrefixBatch, temperature: float = 1.0) -> torch.Tensor:
+        """log π_ref of the responses of packed rows, [N, T] (see ``shared_prefix_logprobs``)."""
+        with self.model_for_forward() as model:
+            device = next(model.parameters()).device
+            logprobs, _, _ = shared_prefix_logprobs(model, batch.to(device), temperature)
+        return logprobs.to(batch.input_ids.device)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def completion_logps(model, sequences: SequenceBatch | SharedPrefixBatch, averag
     ``average``: that sum / the number of completion tokens."""
     reduce = masked_mean if average else masked_sum
     if isinstance(sequences, SharedPrefixBatch):
-        logprobs, response_mask = shared_prefix_logprobs(model, sequences)  # [2B, T], rows (chosen_b, rejected_b)
+        logprobs, _, response_mask = shared_prefix_logprobs(model, sequences)  # [2B, T]: (chosen_b, rejected_b)
         return reduce(logprobs, response_mask, dim=1).view(-1, 2).t().reshape(-1)
     logprobs = sequence_logprobs(model, sequences.input_ids, sequences.attention_mask)
     return reduce(logprobs, sequences.completion_mask, dim=1)

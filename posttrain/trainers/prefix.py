@@ -15,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from posttrain.core import forward_cost
+from posttrain.core import SharedPrefixBatch, forward_cost, pack_groups
 from posttrain.models import shared_prefix_unsupported
+from posttrain.rollout import Rollout
 
 
 def check_shared_prefix(value, name: str = "shared_prefix") -> None:
@@ -73,3 +75,33 @@ def resolve_shared_prefix(setting, models: list[nn.Module], log: Callable[[str],
         + ("" if setting is True else " (per micro-batch, when it costs fewer FLOPs)")
     )
     return SharedPrefix(enabled=True, always=setting is True, params=params, attention_width=width)
+
+
+def packed_rollout_rows(
+    rollout: Rollout, rows: slice, shared: SharedPrefix | None
+) -> tuple[SharedPrefixBatch, torch.Tensor] | None:
+    """``rows`` of a rollout with the samples of each prompt packed behind it (``core.pack_groups``),
+    and the packed response of each row; None when ``shared`` is off or does not pay for these rows."""
+    if shared is None or not shared.enabled:
+        return None
+    packed = pack_groups(
+        rollout.prompt_ids[rows],
+        rollout.prompt_mask[rows],
+        rollout.response_ids[rows],
+        rollout.response_mask[rows],
+        rollout.prompt_index[rows],
+    )
+    if packed is None:
+        return None
+    rows_in, width = rollout.input_ids[rows].shape
+    if not shared.pays(rows_in, width, *packed[0].input_ids.shape):
+        return None
+    return packed
+
+
+def unpack_rows(values: torch.Tensor | None, response_of_row: torch.Tensor, response_length: int):
+    """[N, T'] per packed response → [b, T] per rollout row (0 past T': positions no mask selects)."""
+    if values is None:
+        return None
+    rows = values[response_of_row.to(values.device)]
+    return torch.nn.functional.pad(rows, (0, response_length - rows.shape[1]))
