@@ -38,7 +38,7 @@ def run_config(args, out: Path, batch_size: int):
     from posttrain.trainers.config import OptimConfig, RunConfig
 
     run = RunConfig(
-        output_dir=str(out),
+        output_dir=str(out / "run"),  # beside the data files: a run refuses a folder that holds anything
         seed=args.seed,
         max_steps=args.steps,
         batch_size=batch_size,

@@ -68,6 +68,7 @@ from posttrain.trainers.online import (
     reference_logprobs,
     train_minibatch,
 )
+from posttrain.trainers.prefix import check_shared_prefix, resolve_shared_prefix
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
 REWARD_SCALES = ("group", "batch", "none")
@@ -162,6 +163,12 @@ class GRPOConfig:
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
     max_unscored_steps: int = 3
     """Stop after this many steps in a row in which no reward function scored any sample (0 = never)."""
+    shared_prefix: bool | str = "auto"
+    """Training passes (policy, reference, old log-probs) with the samples of a prompt in one row: the
+    prompt once, then its responses, each attending to the prompt and to itself only. auto: when the
+    model takes such a 4-D attention mask exactly and a micro-batch's packed rows cost fewer FLOPs
+    (rarely with short prompts and long responses: the G responses make one long row, and the
+    dense mask computes attention over all of it); true: always; false: never."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (eval.path or data.eval_fraction) every run.eval_every steps and at the end."""
     alerts: AlertConfig = field(default_factory=AlertConfig)
@@ -188,6 +195,7 @@ class GRPOConfig:
         check_choice("kl_in", self.kl_in, KL_PLACEMENTS)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
         check_choice("reference", self.reference, ("auto", "copy", "adapter"))
+        check_shared_prefix(self.shared_prefix)
         if self.num_generations < 2:
             raise ValueError(f"num_generations must be >= 2 (a group needs two responses), got {self.num_generations}")
         if self.run.batch_size % self.num_generations:
@@ -278,6 +286,10 @@ class GRPOTrainer(OnlineTrainer):
         self.reference = None
         if config.kl_coef > 0:  # kl_coef = 0 loads no reference at all
             self.reference = engines.build_reference(acc, policy, config.model, config.reference)
+        separate = [self.reference.model] if self.reference is not None and self.reference.model is not None else []
+        self.shared = resolve_shared_prefix(
+            config.shared_prefix, [policy, *separate], lambda x: acc.print(f"[grpo] {x}")
+        )
         updates = self.total_steps * config.num_iterations * config.minibatches
         optimizer, scheduler = build_optimizer(
             [p for p in policy.parameters() if p.requires_grad], config.optim, updates
@@ -307,7 +319,7 @@ class GRPOTrainer(OnlineTrainer):
         ref_logprobs = kl = None
         if self.reference is not None:
             with timer("reference"):
-                ref_logprobs = reference_logprobs(self.reference, rollout, micro, device)
+                ref_logprobs = reference_logprobs(self.reference, rollout, micro, device, self.shared)
             self.passes["reference"] += 1
             kl = kl_penalty(old_logprobs, ref_logprobs, "k1" if cfg.kl_in == "reward" else cfg.kl_estimator)
             metrics.update(kl_metrics(acc, kl, mask))
@@ -491,7 +503,7 @@ class GRPOTrainer(OnlineTrainer):
         ``loss_agg``; its stats with ``loss``; the token entropy [b, T] or None) of rows ``s``."""
         cfg = self.config
         logprobs, entropy = policy_logprobs(
-            self.actor.model, batch.rollout, s, self.accelerator.device, with_entropy=with_entropy
+            self.actor.model, batch.rollout, s, self.accelerator.device, with_entropy=with_entropy, shared=self.shared
         )
         self.passes["policy_train"] += 1
         loss, stats = ppo_policy_loss(

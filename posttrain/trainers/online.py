@@ -22,7 +22,7 @@ import torch
 
 from posttrain.core import aggregation_units, masked_whiten, truncated_importance_weights
 from posttrain.data import PromptExample, load_prompts
-from posttrain.models import Reference, load_tokenizer, response_logprobs
+from posttrain.models import Reference, load_tokenizer, response_logprobs, shared_prefix_logprobs
 from posttrain.monitor import RunMonitor
 from posttrain.rollout import Rollout, RolloutConfig, RolloutEngine, SamplingParams, build_engine
 from posttrain.trainers import engines
@@ -38,6 +38,7 @@ from posttrain.trainers.loop import (
     split_train_eval,
     start_run,
 )
+from posttrain.trainers.prefix import SharedPrefix, packed_rollout_rows, unpack_rows
 
 
 class OnlineTrainer:
@@ -82,6 +83,7 @@ class OnlineTrainer:
         micro = min(config.run.micro_batch_size, rows)
         engines.configure(acc, micro, math.ceil(rows / micro), config.optim.max_grad_norm)
         acc.print(f"[{self.name}] training engine: {engines.describe(acc)}")
+        self.shared = SharedPrefix(enabled=False)  # a trainer with ``shared_prefix`` resolves it once its models load
 
     def start_engine(self, policy) -> None:
         """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
@@ -111,7 +113,7 @@ class OnlineTrainer:
 
     def logprobs_of(self, rollout: Rollout, rows: slice) -> torch.Tensor:
         """The policy's training forward: log-probs [b, T] of the response tokens of ``rows``."""
-        return policy_logprobs(self.actor.model, rollout, rows, self.accelerator.device)[0]
+        return policy_logprobs(self.actor.model, rollout, rows, self.accelerator.device, shared=self.shared)[0]
 
     def models_to_save(self) -> dict[str, torch.nn.Module]:
         return {"policy": self.actor.model}
@@ -355,18 +357,43 @@ def micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def reference_logprobs(reference: Reference, rollout: Rollout, micro_batch_size: int, device) -> torch.Tensor:
-    """log π_ref of the response tokens, [B, T], in micro-batches (no grad)."""
+def reference_logprobs(
+    reference: Reference, rollout: Rollout, micro_batch_size: int, device, shared: SharedPrefix | None = None
+) -> torch.Tensor:
+    """log π_ref of the response tokens, [B, T], in micro-batches (no grad); a micro-batch's samples of
+    one prompt share it in one packed row when ``shared`` says so (``trainers.prefix``)."""
     ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
-    parts = [
-        reference.logprobs(ids[s], mask[s], rollout.response_length, rollout.temperature)
-        for s in micro_slices(len(rollout), micro_batch_size)
-    ]
+    parts = []
+    for s in micro_slices(len(rollout), micro_batch_size):
+        packed = packed_rollout_rows(rollout, s, shared)
+        if packed is None:
+            parts.append(reference.logprobs(ids[s], mask[s], rollout.response_length, rollout.temperature))
+        else:
+            batch, response_of_row = packed
+            logprobs = reference.shared_prefix_logprobs(batch.to(device), rollout.temperature)
+            parts.append(unpack_rows(logprobs, response_of_row, rollout.response_length))
     return torch.cat(parts)
 
 
-def policy_logprobs(model, rollout: Rollout, rows: slice, device, with_entropy: bool = False, entropy_grad=False):
-    """Training forward of the policy on ``rows`` of the rollout at the sampling temperature."""
+def policy_logprobs(
+    model,
+    rollout: Rollout,
+    rows: slice,
+    device,
+    with_entropy: bool = False,
+    entropy_grad=False,
+    shared: SharedPrefix | None = None,
+):
+    """Training forward of the policy on ``rows`` of the rollout at the sampling temperature:
+    (log-probs [b, T], entropy [b, T] or None); packed by prompt when ``shared`` says so."""
+    packed = packed_rollout_rows(rollout, rows, shared)
+    if packed is not None:
+        batch, response_of_row = packed
+        logprobs, entropy, _ = shared_prefix_logprobs(
+            model, batch.to(device), rollout.temperature, with_entropy, entropy_grad
+        )
+        length = rollout.response_length
+        return unpack_rows(logprobs, response_of_row, length), unpack_rows(entropy, response_of_row, length)
     return response_logprobs(
         model,
         rollout.input_ids[rows].to(device),
