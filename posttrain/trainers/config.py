@@ -73,9 +73,10 @@ class RunConfig:
     epochs: float = 1.0
     """Passes over the training data when max_steps is null."""
     batch_size: int = 8
-    """Examples per optimizer step, all processes together."""
+    """Examples per optimizer step, all processes together; it splits evenly over the processes."""
     micro_batch_size: int = 8
-    """Examples per forward/backward on one process (gradient accumulation fills the rest)."""
+    """Most examples per forward/backward on one process (gradient accumulation fills the rest; any value:
+    the last micro-batch is smaller when it does not divide, and the update is the same for any split)."""
     log_every: int = 1
     """Log metrics every this many steps."""
     eval_every: int | None = None
@@ -91,7 +92,7 @@ class RunConfig:
     max_nonfinite_steps: int = 3
     """Stop the run after this many optimizer updates in a row skipped for a non-finite loss or gradient norm."""
     report_to: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
-    """Metric sinks: jsonl, tensorboard, wandb, mlflow, trackio (the last three when installed)."""
+    """Metric sinks: jsonl, tensorboard, wandb, mlflow, trackio (each needs its package; checked at start)."""
     project: str = "posttrain"
     """The W&B / trackio project and the MLflow experiment the run is logged under."""
     name: str | None = None
