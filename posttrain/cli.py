@@ -140,14 +140,20 @@ def _eval_overrides(args) -> list[str]:
 
 
 def _run_eval(parser, args) -> int:
+    from posttrain.data import DataError, NoUsableRows
     from posttrain.monitor.evaluate import EvalRunConfig, evaluate_checkpoint, format_table
     from posttrain.trainers.config import load_config
+    from posttrain.trainers.inputs import check_inputs
 
     try:
         config = load_config(EvalRunConfig, args.config, _eval_overrides(args))
+        check_inputs(config)  # the trainers' checks: paths, reward functions, length limits
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"posttrain eval: error: {err}\n")
-    metrics = evaluate_checkpoint(config)
+    try:
+        metrics = evaluate_checkpoint(config)
+    except (DataError, NoUsableRows) as err:  # bad data (a column a reward function needs): one line
+        parser.exit(2, f"posttrain eval: error: {err}\n")
     print(format_table(metrics))
     print(json.dumps(metrics, indent=2))
     return 0
@@ -192,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from posttrain.monitor.report import write_report
 
-        print(f"wrote {write_report(args.runs, args.out)}")
+        try:
+            print(f"wrote {write_report(args.runs, args.out)}")
+        except FileNotFoundError as err:
+            parser.exit(2, f"posttrain report: error: {err}\n")
         return 0
     if args.command == "vllm-serve":
         from posttrain.rollout.vllm_server import serve

@@ -56,6 +56,8 @@ def load_run(path: str | Path, name: str) -> Run:
     import yaml
 
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no run folder {path}")
     if not (path / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{path}: no metrics.jsonl (is this a posttrain run folder?)")
     config_path = path / "config.yaml"
@@ -282,6 +284,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     """Write the report of ``run_dirs`` to ``out`` (default: RUN_DIR/report.html for one run, else
     ./report.html); returns its path."""
     out = Path(out) if out else (Path(run_dirs[0]) / "report.html" if len(run_dirs) == 1 else Path("report.html"))
+    html = build_report(run_dirs)  # first: a wrong run folder is said before anything is created
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build_report(run_dirs), encoding="utf-8")
+    out.write_text(html, encoding="utf-8")
     return out

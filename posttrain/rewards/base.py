@@ -18,6 +18,7 @@ needs to read exactly the tokens the policy produced (``posttrain.rewards.model`
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -111,8 +112,38 @@ def load_reward_function(spec: str) -> RewardFunction:
         module = importlib.import_module(target)
     fn = getattr(module, attribute, None)
     if not callable(fn):
-        raise ValueError(f"{spec}: {attribute!r} is not a callable in {target}")
+        defined = sorted(
+            name for name, value in vars(module).items() if inspect.isfunction(value) and not name.startswith("_")
+        )
+        close = difflib.get_close_matches(attribute, defined, n=1)
+        guess = f"did you mean {close[0]}? " if close else ""
+        raise ValueError(
+            f"{spec}: {target} has no function {attribute!r} ({guess}its functions: {', '.join(defined) or 'none'})"
+        )
     return fn
+
+
+def required_columns(fn: RewardFunction, bound: dict | None = None) -> list[str]:
+    """The data columns ``fn`` cannot be called without: its parameters after (prompts, completions)
+    that have no default, are not bound by the spec's ``kwargs``, and are not handed over by posttrain
+    (``prompt_ids``, ``completion_ids``, ``policy_tokenizer``). ``**columns`` takes whatever there is."""
+    handed = {*TOKEN_COLUMNS, "policy_tokenizer", *(bound or {})}
+    params = list(inspect.signature(fn).parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    skipped = {p.name for p in positional[:2]}  # prompts, completions
+    return [
+        p.name
+        for p in params
+        if p.name not in skipped
+        and p.name not in handed
+        and p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+def reward_columns(specs: list[RewardSpec]) -> dict[str, list[str]]:
+    """{reward function name: the data columns it needs} of ``specs`` (``required_columns``)."""
+    return {spec.name: required_columns(load_reward_function(spec.function), spec.kwargs) for spec in specs}
 
 
 @dataclass

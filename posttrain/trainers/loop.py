@@ -41,6 +41,7 @@ from posttrain.trainers.checkpoint import (
     save_checkpoint,
 )
 from posttrain.trainers.config import OptimConfig, RunConfig, to_dict
+from posttrain.trainers.inputs import check_batch_split
 from posttrain.trainers.metrics import MetricsLogger
 
 
@@ -168,7 +169,7 @@ def run_offline(
 ) -> dict:
     """Train ``trainable.model`` on ``task``; returns {"final_metrics", "eval_metrics", "output_dir"}."""
     run: RunConfig = config.run
-    per_process, micro = _per_process_batch(run, accelerator.num_processes)
+    per_process, micro = _per_process_batch(config, accelerator.num_processes)
     schedule = StepSchedule(len(train_examples), run.batch_size, run.seed)
     if schedule.steps_per_epoch < 1:
         raise ValueError(f"run.batch_size={run.batch_size} is larger than the {len(train_examples)} training examples")
@@ -234,15 +235,12 @@ def run_offline(
     }
 
 
-def _per_process_batch(run: RunConfig, world: int) -> tuple[int, int]:
-    """(examples per process per step, micro-batch size); a batch that does not split evenly fails here."""
-    if run.batch_size % world or (run.batch_size // world) % min(run.micro_batch_size, run.batch_size // world):
-        raise ValueError(
-            f"run.batch_size={run.batch_size} must split evenly over {world} process(es) and then into "
-            f"micro-batches of run.micro_batch_size={run.micro_batch_size}"
-        )
-    per_process = run.batch_size // world
-    return per_process, min(run.micro_batch_size, per_process)
+def _per_process_batch(config, world: int) -> tuple[int, int]:
+    """(examples per process per step, micro-batch size): the batch rule is ``inputs.check_batch_split``;
+    the last micro-batch of a process is smaller when micro_batch_size does not divide its share."""
+    check_batch_split(config, world)
+    per_process = config.run.batch_size // world
+    return per_process, min(config.run.micro_batch_size, per_process)
 
 
 def accumulate_gradients(accelerator, task: Task, model, batches: list) -> tuple[tuple[dict[str, float], int], float]:

@@ -21,13 +21,14 @@ from typing import Any
 import torch
 
 from posttrain.core import aggregation_units, masked_whiten, truncated_importance_weights
-from posttrain.data import PromptExample, load_prompts
+from posttrain.data import PromptExample, check_columns, load_prompts
 from posttrain.models import Reference, load_tokenizer, response_logprobs, shared_prefix_logprobs
 from posttrain.monitor import RunMonitor
+from posttrain.rewards import reward_columns
 from posttrain.rollout import Rollout, RolloutConfig, RolloutEngine, SamplingParams, build_engine
 from posttrain.trainers import engines
 from posttrain.trainers.checkpoint import save_checkpoint
-from posttrain.trainers.inputs import check_inputs
+from posttrain.trainers.inputs import check_batch_split, check_inputs
 from posttrain.trainers.loop import (
     NonFiniteGuard,
     backward_share,
@@ -63,17 +64,13 @@ class OnlineTrainer:
         torch.manual_seed(config.run.seed)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
         prompts, report = load_prompts(config.data, self.tokenizer)
+        specs = config.rewards + ([] if config.eval.path else config.eval.rewards)  # eval.path: the evaluator checks
+        check_columns(prompts, reward_columns(specs), config.data.path)  # every column they need, before any model
         self.prompts, self.eval_prompts = split_train_eval(prompts, config.data.eval_fraction, config.run.seed)
         acc.print(f"[{self.name}] prompts: {report.summary()}")
-        world, prompts_per_step = acc.num_processes, config.run.batch_size // config.num_generations
-        if prompts_per_step % world:
-            raise ValueError(f"prompts per step ({prompts_per_step}) must split evenly over {world} processes")
-        self.local_prompts = prompts_per_step // world
-        if config.minibatches > self.local_prompts * config.num_generations:
-            raise ValueError(
-                f"minibatches={config.minibatches} is more than the {self.local_prompts * config.num_generations} "
-                f"responses each of the {world} process(es) holds per step (run.batch_size={config.run.batch_size})"
-            )
+        check_batch_split(config, acc.num_processes)
+        prompts_per_step = config.run.batch_size // config.num_generations
+        self.local_prompts = prompts_per_step // acc.num_processes
         self.total_steps = config.run.max_steps or max(
             1, math.ceil(config.run.epochs * len(self.prompts) / prompts_per_step)
         )
