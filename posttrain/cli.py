@@ -119,10 +119,7 @@ def _add_eval_parser(sub) -> None:
 def _eval_overrides(args) -> list[str]:
     """The eval flags as EvalRunConfig key=value overrides (explicit key=value ones come last and win)."""
     specs = [{"function": f} for f in args.rewards.split(",") if f]
-    specs += [
-        {"function": "posttrain.rewards.model:reward_model", "kwargs": {"path": p}, "isolation": "inline"}
-        for p in args.reward_model
-    ]
+    specs += [{"function": "posttrain.rewards.model:reward_model", "kwargs": {"path": p}} for p in args.reward_model]
     out = [f"model.path={args.model}", f"data.path={args.data}", f"rewards={json.dumps(specs)}"]
     if args.temperature == 0:
         if args.n > 1:

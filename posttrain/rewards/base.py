@@ -26,6 +26,7 @@ import math
 import multiprocessing
 import numbers
 import os
+import queue
 import signal
 import threading
 import time
@@ -44,6 +45,11 @@ from posttrain.rewards import sandbox
 RewardFunction = Callable[..., list]
 ON_ERROR = ("raise", "skip")
 ISOLATION = ("process", "inline")
+# Our reward models as reward functions run inline, never in a forked worker. They are our own code and
+# hold a torch model: inline, it is loaded once and kept, on any device, and scores on every thread. A
+# forked worker loads it again in every call, cannot use CUDA once the trainer has, and inherits torch's
+# OpenMP and MKL state without the threads behind it, which can hang it (see _child and _InlineThread).
+MODEL_FUNCTIONS = ("posttrain.rewards.model:reward_model", "posttrain.rewards.model:reward_ensemble")
 _MIN_SAMPLES_FOR_ABORT = 20  # a failure rate is not judged on fewer samples
 TOKEN_COLUMNS = ("prompt_ids", "completion_ids")  # handed only to functions that name them
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -70,9 +76,10 @@ class RewardSpec:
     or skip (that sample gets None and is counted)."""
     max_failure_rate: float = 0.1
     """Stop the run when more than this share of the samples scored so far failed or timed out."""
-    isolation: str = "process"
-    """process: each call runs in a forked worker that is killed on timeout; inline: in a thread of
-    this process (for reward models: a hung call is abandoned, not killed)."""
+    isolation: str | None = None
+    """process: each call runs in a forked worker that is killed on timeout (torch in it runs on one
+    thread); inline: in a thread of this process (a hung call is abandoned, not killed). null: inline for
+    the reward models of posttrain.rewards.model (which refuse process), process for every other function."""
     retry_after_timeout: bool = False
     """After a batch call times out, score its samples one by one, all within one more ``timeout``, to
     keep the samples that do not hang (process isolation only). Off: every sample of the call gets None."""
@@ -84,12 +91,30 @@ class RewardSpec:
             )
         if self.on_error not in ON_ERROR:
             raise ValueError(f"{name}.on_error must be one of {ON_ERROR}, got {self.on_error!r}")
-        if self.isolation not in ISOLATION:
-            raise ValueError(f"{name}.isolation must be one of {ISOLATION}, got {self.isolation!r}")
+        if self.isolation is not None and self.isolation not in ISOLATION:
+            raise ValueError(f"{name}.isolation must be one of {ISOLATION} or null, got {self.isolation!r}")
         if not 0 < self.timeout < math.inf or not 0 <= self.max_failure_rate <= 1:
             raise ValueError(f"{name}: timeout must be finite and > 0, and max_failure_rate in [0, 1]")
-        if self.retry_after_timeout and self.isolation != "process":
-            raise ValueError(f"{name}.retry_after_timeout needs isolation: process (a hung thread cannot be killed)")
+        if self.retry_after_timeout and self.effective_isolation != "process":
+            raise ValueError(
+                f"{name}.retry_after_timeout needs {name}.isolation: process (a hung thread cannot be killed)"
+            )
+        if self.isolation == "process" and self.function in MODEL_FUNCTIONS:
+            raise ValueError(
+                f"{name}.isolation: process cannot run {self.function}: a worker forked from the trainer can "
+                f"hang in torch (OpenMP and MKL state copied without its threads), would load the model again "
+                f"in every call and cannot use CUDA; leave {name}.isolation unset (inline, its default)"
+            )
+        if self.effective_isolation == "process" and str(self.kwargs.get("device", "cpu")).startswith("cuda"):
+            raise ValueError(  # torch refuses to initialise CUDA again in a child forked after the trainer did
+                f"{name}.isolation: process runs {self.function} in a forked worker, which cannot use CUDA "
+                f"(kwargs.device={self.kwargs['device']}); set {name}.isolation: inline"
+            )
+
+    @property
+    def effective_isolation(self) -> str:
+        """``isolation``, or its default for this function when unset."""
+        return self.isolation or ("inline" if self.function in MODEL_FUNCTIONS else "process")
 
     @property
     def name(self) -> str:
@@ -186,6 +211,11 @@ def _returned(result) -> tuple[str, object]:
 
 def _child(conn, fn, prompts, completions, columns) -> None:
     os.setsid()  # a group of its own: a timeout kills the worker and everything it started
+    # Torch on one thread, before any torch op. The trainer has run parallel ops, so its OpenMP runtime
+    # (libgomp, not fork-safe) believes its worker threads exist; fork copies only this thread, and the
+    # child's first parallel op (a matmul, a model load) waits at a barrier for them until the timeout
+    # (pytorch issues 17199, 21956). One thread never starts a team; DataLoader workers do the same.
+    torch.set_num_threads(1)
     try:
         conn.send(_returned(fn(prompts, completions, **columns)))
     except BaseException:
@@ -197,11 +227,14 @@ def _child(conn, fn, prompts, completions, columns) -> None:
 def call_with_timeout(fn, prompts, completions, columns, timeout: float, isolation: str = "process"):
     """("ok", values) | ("bad", what was returned) | ("error", traceback) | ("timeout", None) of one call."""
     if isolation == "inline":
-        box: list = []
-        thread = threading.Thread(target=lambda: box.append(_inline(fn, prompts, completions, columns)), daemon=True)
-        thread.start()
-        thread.join(timeout)
-        return box[0] if box else ("timeout", None)
+        global _inline_thread
+        if _inline_thread is None:
+            _inline_thread = _InlineThread()
+        answer = _inline_thread.run(partial(_inline, fn, prompts, completions, columns), timeout)
+        if answer is None:
+            _inline_thread = None  # it stays in the hung call: the next inline call gets a new thread
+            return ("timeout", None)
+        return answer
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # a forked child must not use tokenizer threads
     sandbox.lease()  # before the fork: the worker's sandboxes use this process's user ids, reaped below
     context = multiprocessing.get_context("fork")
@@ -229,6 +262,36 @@ def call_with_timeout(fn, prompts, completions, columns, timeout: float, isolati
         if not answered:  # the sandbox programs and folders a dead worker may have left
             sandbox.reap()
         receiver.close()
+
+
+class _InlineThread:
+    """The thread that runs the inline calls one after another, for the life of the process (a new one
+    only after a call overran its timeout and was left in it).
+
+    Not a thread per call: when a thread that ran torch ops ends, MKL releases its buffers and those of
+    its OpenMP worker, and a worker forked in that moment for the next reward function (isolation:
+    process) can inherit MKL's allocator mid-update and spin in ``mkl_serv_allocate`` forever. Measured:
+    with a thread per call, a hang by the 2nd to 15th call; none with a pause before each fork, and none
+    in 200 calls with this one thread."""
+
+    def __init__(self):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="posttrain-inline-rewards", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, answer, done = self.calls.get()
+            answer.append(call())
+            done.set()
+
+    def run(self, call, timeout: float):
+        """``call()``'s result, or None when it has not returned within ``timeout`` seconds."""
+        answer, done = [], threading.Event()
+        self.calls.put((call, answer, done))
+        return answer[0] if done.wait(timeout) else None
+
+
+_inline_thread: _InlineThread | None = None
 
 
 def _inline(fn, prompts, completions, columns):
@@ -290,7 +353,9 @@ class RewardComposer:
     def _scores(self, tracked: _Tracked, prompts, completions, columns) -> list:
         """One function's values; on a timeout or an error, handled as its spec says."""
         spec, B = tracked.spec, len(completions)
-        status, payload = call_with_timeout(tracked.fn, prompts, completions, columns, spec.timeout, spec.isolation)
+        status, payload = call_with_timeout(
+            tracked.fn, prompts, completions, columns, spec.timeout, spec.effective_isolation
+        )
         if status == "bad":
             raise RewardError(
                 f"reward function {tracked.name!r} returned {payload}; it must return a list of {B} floats or None"
@@ -327,7 +392,9 @@ class RewardComposer:
                 values.append(None)
                 continue
             one = {k: [v[b]] for k, v in columns.items()}
-            status, payload = call_with_timeout(tracked.fn, [prompts[b]], [completions[b]], one, left, spec.isolation)
+            status, payload = call_with_timeout(
+                tracked.fn, [prompts[b]], [completions[b]], one, left, spec.effective_isolation
+            )
             if status == "ok" and len(payload) == 1:
                 values.append(payload[0])
                 continue
