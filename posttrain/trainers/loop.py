@@ -367,19 +367,21 @@ class NonFiniteGuard:
 
 
 def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dict | None, MetricsLogger]:
-    """Clear the run folder (``run.overwrite``) or resume from ``run.resume_from`` (only the run that
-    wrote the checkpoint, see ``checkpoint.check_resumable``; the run's metrics and samples cut back to
-    its step), write the resolved config, open the metric sinks.
+    """Clear the run folder (``run.overwrite`` of a fresh run, or of ``latest`` finding no checkpoint) or
+    resume from ``run.resume_from`` (only the run that wrote the checkpoint, see
+    ``checkpoint.check_resumable``; the run's metrics and samples cut back to its step), write the
+    resolved config, open the metric sinks.
 
     Returns (the checkpoint's trainer state or None, the logger, already advanced to the step resumed).
     """
     run = config.run
     # every process has checked the run folder (inputs.check_run_dir) before the first write to it
     accelerator.wait_for_everyone()
-    if run.overwrite and run.resume_from is None and accelerator.is_main_process:
-        clear_run_dir(run.output_dir)
     state = None
     resume = resolve_resume(run.output_dir, run.resume_from)
+    accelerator.wait_for_everyone()  # every process looked for the checkpoint before one is cleared
+    if run.overwrite and resume is None and accelerator.is_main_process:  # a fresh run (latest found none)
+        clear_run_dir(run.output_dir)
     if run.resume_from == "latest" and resume is None:
         accelerator.print(f"[{run_name}] resume_from=latest: no checkpoint in {run.output_dir}; starting at step 0")
     if resume is not None:

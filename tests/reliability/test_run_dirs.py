@@ -7,6 +7,7 @@ import json
 import pytest
 from helpers import crash_at
 
+from posttrain.cli import main
 from posttrain.data.synthetic import arithmetic_sft
 from posttrain.trainers import checkpoint
 from posttrain.trainers.config import load_config
@@ -18,6 +19,10 @@ COMMON = ["run.batch_size=8", "run.micro_batch_size=8", "run.save_every=2", "run
 
 
 def _config(tiny_dir, tmp_path, *overrides):
+    return load_config(SFTConfig, None, _overrides(tiny_dir, tmp_path, *overrides))
+
+
+def _overrides(tiny_dir, tmp_path, *overrides) -> list[str]:
     data = tmp_path / "sft.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_sft(32, seed=0)))
@@ -30,7 +35,7 @@ def _config(tiny_dir, tmp_path, *overrides):
         "data.chat_template=never",
         "optim.lr=1e-3",
     ]
-    return load_config(SFTConfig, None, base + COMMON + list(overrides))
+    return base + COMMON + list(overrides)
 
 
 def test_a_fresh_run_refuses_a_folder_holding_a_run_and_overwrite_clears_it(tiny_dir, tmp_path):
@@ -72,6 +77,41 @@ def test_resume_past_max_steps_is_refused_and_latest_without_checkpoint_says_so(
     fresh.run.output_dir = str(tmp_path / "empty")
     train_sft(fresh)
     assert f"resume_from=latest: no checkpoint in {tmp_path / 'empty'}; starting at step 0" in capsys.readouterr().out
+
+
+def test_latest_without_a_checkpoint_refuses_a_folder_holding_a_run_unless_overwrite(tiny_dir, tmp_path):
+    """New-user finding 18: ``resume_from=latest`` on a finished run that saved no checkpoint (the default
+    ``save_every=null``) started a new run at step 0 with any config and replaced the old one's
+    config.yaml, metrics and final model."""
+    train_sft(_config(tiny_dir, tmp_path, "run.max_steps=2", "run.save_every=null"))
+    held = {name: (tmp_path / "run" / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
+    weights = (tmp_path / "run" / "final" / "policy" / "model.safetensors").read_bytes()
+    changed = ("run.max_steps=2", "run.save_every=null", "run.resume_from=latest", "optim.lr=1e-4")
+    with pytest.raises(ValueError, match=r"holds a run .* but no checkpoint: nothing to resume.*run.overwrite=true"):
+        train_sft(_config(tiny_dir, tmp_path, *changed))
+    with pytest.raises(SystemExit) as exit_:  # the CLI: one line, exit 2, before anything loads
+        main(["sft", *_overrides(tiny_dir, tmp_path, *changed)])
+    assert exit_.value.code == 2
+    assert {name: (tmp_path / "run" / name).read_bytes() for name in held} == held
+    assert (tmp_path / "run" / "final" / "policy" / "model.safetensors").read_bytes() == weights
+    # a folder with only a metrics file or only a final model holds a run too
+    (tmp_path / "run" / "config.yaml").unlink()
+    with pytest.raises(ValueError, match="nothing to resume"):
+        train_sft(_config(tiny_dir, tmp_path, *changed))
+    # run.overwrite=true: the old run goes, the new one starts at step 0
+    (tmp_path / "run" / "config.yaml").write_bytes(held["config.yaml"])
+    train_sft(_config(tiny_dir, tmp_path, *changed[1:], "run.max_steps=3", "run.overwrite=true"))
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    assert "lr: 0.0001" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_latest_without_a_checkpoint_refuses_a_folder_of_other_files(tiny_dir, tmp_path):
+    """With no checkpoint, ``latest`` starts a fresh run, under a fresh run's rule: an empty or new folder."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"run.output_dir: .* already holds"):
+        train_sft(_config(tiny_dir, tmp_path, "run.max_steps=1", "run.resume_from=latest"))
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
 
 
 def test_resume_cuts_the_records_written_after_the_checkpoint(tiny_dir, tmp_path):
