@@ -41,7 +41,7 @@ from posttrain.trainers.checkpoint import (
     save_checkpoint,
 )
 from posttrain.trainers.config import OptimConfig, RunConfig, to_dict
-from posttrain.trainers.metrics import MetricsLogger
+from posttrain.trainers.metrics import MetricsLogger, read_metrics
 
 
 class Task(Protocol):
@@ -216,7 +216,7 @@ def run_offline(
         if done % run.log_every == 0 or done == total_steps:
             logger.log(done, metrics, bar_keys)
         logger.advance()
-        if run.save_every and done % run.save_every == 0 and done < total_steps:
+        if checkpoint_due(run, done, total_steps):
             save_checkpoint(
                 accelerator, run.output_dir, done, saved, tokenizer, {"epoch": metrics["epoch"]}, run.keep_last
             )
@@ -235,6 +235,13 @@ def run_offline(
         "steps": total_steps,
         "processes": accelerator.num_processes,
     }
+
+
+def checkpoint_due(run: RunConfig, done: int, total_steps: int) -> bool:
+    """A checkpoint every ``run.save_every`` steps and at the last step (as Hugging Face ``Trainer`` with
+    ``save_strategy="steps"``): a finished run is resumable, so extending it (a larger ``run.max_steps``)
+    continues from its last step instead of training the steps after the last multiple again."""
+    return bool(run.save_every) and (done % run.save_every == 0 or done == total_steps)
 
 
 def _per_process_batch(run: RunConfig, world: int) -> tuple[int, int]:
@@ -388,9 +395,12 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
         check_resumable(resume, yaml.safe_load(yaml.safe_dump(to_dict(config))), total_steps)
         state = load_checkpoint(accelerator, resume)
         accelerator.print(f"[{run_name}] resuming from {resume} (step {state['step']} of {total_steps})")
+    elapsed = 0.0
     if accelerator.is_main_process and run.resume_from is not None:
         for name in ("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "eval_samples.jsonl"):
             truncate_records(Path(run.output_dir) / name, 0 if state is None else state["step"])
+        if state is not None and (Path(run.output_dir) / "metrics.jsonl").is_file():
+            elapsed = max((r["time"] for r in read_metrics(run.output_dir) if "time" in r), default=0.0)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_resolved_config(run.output_dir, config)
@@ -404,6 +414,7 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
         run_name=run.name or run_name,
         project=run.project,
         purge_after=None if run.resume_from is None else (0 if state is None else state["step"]),
+        elapsed=elapsed,
     )
     logger.advance(0 if state is None else state["step"])
     return state, logger

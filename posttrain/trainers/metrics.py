@@ -24,6 +24,7 @@ class MetricsLogger:
         run_name: str | None = None,
         purge_after: int | None = None,
         project: str = "posttrain",
+        elapsed: float = 0.0,
     ):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
@@ -31,7 +32,7 @@ class MetricsLogger:
         self._tb = self._wandb = self._mlflow = self._trackio = None
         self._bar = None
         self._shown: dict[str, str] = {}  # the bar keeps a key's last value (eval runs only some steps)
-        self._start = time.perf_counter()
+        self._start = time.perf_counter() - elapsed  # a resumed run's ``time`` continues from its checkpoint's
         if not enabled:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ from posttrain.trainers.loop import (
     NonFiniteGuard,
     backward_share,
     build_accelerator,
+    checkpoint_due,
     global_sum,
     optimizer_step,
     save_final,
@@ -129,6 +130,7 @@ class OnlineTrainer:
             if rollout is None:
                 self.logger.log(step + 1, metrics)
                 self.logger.advance()
+                self.save_if_due(step + 1)
                 continue
             with timer("sync_weights"):
                 self.engine.sync_weights(self.policy)
@@ -145,7 +147,7 @@ class OnlineTrainer:
 
     def end_step(self, done: int, metrics: dict, rollout: Rollout, scores, times: dict, callbacks) -> None:
         """The tail of every step: response, time and throughput metrics; ``samples.jsonl``; held-out
-        evaluation and alerts (``RunMonitor``); the log; a checkpoint every ``run.save_every``; callbacks."""
+        evaluation and alerts (``RunMonitor``); the log; a checkpoint when due (``save_if_due``); callbacks."""
         cfg, acc = self.config, self.accelerator
         metrics.update(response_metrics(acc, rollout))
         metrics.update(times)
@@ -157,13 +159,23 @@ class OnlineTrainer:
         if done % cfg.run.log_every == 0 or done == self.total_steps or "time/eval" in metrics:
             self.logger.log(done, metrics, (*self.BAR_KEYS, *self.monitor.bar_keys))
         self.logger.advance()
-        if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
-            state = self.state()
-            save_checkpoint(
-                acc, cfg.run.output_dir, done, self.models_to_save(), self.tokenizer, state, cfg.run.keep_last
-            )
+        self.save_if_due(done)
         for callback in callbacks:
             callback(done, metrics)
+
+    def save_if_due(self, done: int) -> None:
+        """A checkpoint after step ``done`` when ``loop.checkpoint_due``: every ``run.save_every`` and the last."""
+        cfg = self.config
+        if checkpoint_due(cfg.run, done, self.total_steps):
+            save_checkpoint(
+                self.accelerator,
+                cfg.run.output_dir,
+                done,
+                self.models_to_save(),
+                self.tokenizer,
+                self.state(),
+                cfg.run.keep_last,
+            )
 
 
 # -- the update skeleton ------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ the records of the steps after the checkpoint are cut before the resumed run wri
 import json
 
 import pytest
+import torch
 from helpers import crash_at
+from safetensors.torch import load_file
 
 from posttrain.cli import main
 from posttrain.data.synthetic import arithmetic_sft
@@ -42,11 +44,11 @@ def test_a_fresh_run_refuses_a_folder_holding_a_run_and_overwrite_clears_it(tiny
     """Item 5: a fresh run into a finished run's folder mixed the two (and resume then loaded the other's
     checkpoint)."""
     train_sft(_config(tiny_dir, tmp_path, "run.max_steps=4", "run.seed=1"))
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == ["step-000002"]
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == ["step-000002", "step-000004"]
     with pytest.raises(ValueError, match=r"run.output_dir: .* already holds a run .*run.overwrite=true"):
         train_sft(_config(tiny_dir, tmp_path, "run.max_steps=2"))
     train_sft(_config(tiny_dir, tmp_path, "run.max_steps=3", "run.overwrite=true"))
-    assert checkpoint.list_checkpoints(tmp_path / "run")[-1].name == "step-000002"
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == ["step-000002", "step-000003"]
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]  # nothing of the first run
 
 
@@ -114,6 +116,31 @@ def test_latest_without_a_checkpoint_refuses_a_folder_of_other_files(tiny_dir, t
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
 
 
+def test_a_finished_run_extended_continues_exactly_from_its_last_step(tiny_dir, tmp_path, capsys):
+    """New-user finding 19: the last step wrote no checkpoint even when save_every divided max_steps, so
+    extending a finished run (a larger run.max_steps) resumed from an earlier checkpoint and trained its
+    last steps again. As Hugging Face Trainer with save_strategy="steps", the last step saves too."""
+    constant = ("optim.scheduler=constant", "optim.warmup_steps=0")  # the same lr whatever max_steps is
+    straight = _config(tiny_dir, tmp_path, *constant, "run.max_steps=6", f"run.output_dir={tmp_path / 'straight'}")
+    train_sft(straight)
+    train_sft(_config(tiny_dir, tmp_path, *constant, "run.max_steps=5"))
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == [
+        "step-000002",
+        "step-000004",
+        "step-000005",
+    ]
+    capsys.readouterr()
+    train_sft(_config(tiny_dir, tmp_path, *constant, "run.max_steps=6", "run.resume_from=latest"))
+    assert f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step-000005'} (step 5 of 6)" in capsys.readouterr().out
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records] == [r["loss"] for r in read_metrics(tmp_path / "straight")]
+    assert records[-1]["time"] >= records[-2]["time"]  # the run's clock continues from the checkpoint's step
+    a = load_file(tmp_path / "straight" / "final" / "policy" / "model.safetensors")
+    b = load_file(tmp_path / "run" / "final" / "policy" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resume_cuts_the_records_written_after_the_checkpoint(tiny_dir, tmp_path):
     """Item 6: the steps between the checkpoint and the crash appeared twice in metrics.jsonl."""
     with pytest.raises(KeyboardInterrupt):
@@ -130,7 +157,7 @@ def test_resume_cuts_the_records_written_after_the_checkpoint(tiny_dir, tmp_path
 
 
 def test_a_checkpoint_records_the_config_that_wrote_it(tiny_dir, tmp_path):
-    train_sft(_config(tiny_dir, tmp_path, "run.max_steps=3"))
+    train_sft(_config(tiny_dir, tmp_path, "run.max_steps=2"))
     (ckpt,) = checkpoint.list_checkpoints(tmp_path / "run")
     state = json.loads((ckpt / checkpoint.STATE_FILE).read_text())
     assert (ckpt / checkpoint.CONFIG_FILE).read_text() == (tmp_path / "run" / "config.yaml").read_text()
