@@ -210,22 +210,21 @@ def run_offline(
             "epoch": done / schedule.steps_per_epoch,
             "train/nonfinite_skips": guard.skips,
         }
-        if eval_examples and run.eval_every and done % run.eval_every == 0 and done < total_steps:
+        record = dict(metrics)
+        evaluated = bool(eval_examples) and (done == total_steps or bool(run.eval_every) and done % run.eval_every == 0)
+        if evaluated:  # into the step's record, the last step's too: one record per step
             eval_metrics = evaluate_offline(accelerator, task, model, eval_examples, micro)
-            metrics.update(eval_metrics)
-        if done % run.log_every == 0 or done == total_steps:
-            logger.log(done, metrics, bar_keys)
+            record.update(eval_metrics)
+        if done % run.log_every == 0 or done == total_steps or evaluated:
+            logger.log(done, record, bar_keys)
         logger.advance()
         if checkpoint_due(run, done, total_steps):
             save_checkpoint(
                 accelerator, run.output_dir, done, saved, tokenizer, {"epoch": metrics["epoch"]}, run.keep_last
             )
         for callback in callbacks:
-            callback(done, metrics)
+            callback(done, record)
 
-    if eval_examples:
-        eval_metrics = evaluate_offline(accelerator, task, model, eval_examples, micro)
-        logger.log(total_steps, eval_metrics)
     logger.close()
     save_final(accelerator, run.output_dir, saved, tokenizer)
     return {
