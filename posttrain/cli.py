@@ -237,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         k: v for k, v in result.items() if k in ("final_metrics", "eval_metrics", "steps", "processes", "output_dir")
     }
-    print(json.dumps(summary, indent=2, default=float))
+    from posttrain.monitor.records import strict_json
+
+    print(json.dumps(strict_json(summary), indent=2, default=float))  # NaN as null: valid JSON for jq
     return 0
 
 

@@ -12,6 +12,7 @@ from posttrain.core import aggregate_loss, group_advantages, kl_penalty, ppo_pol
 from posttrain.data.synthetic import vowel_pairs
 from posttrain.models import response_logprobs
 from posttrain.rewards import RewardComposer, RewardError
+from posttrain.trainers.checkpoint import list_checkpoints
 from posttrain.trainers.config import load_config
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer, _scores_with_missing
 from posttrain.trainers.grpo import train as train_grpo
@@ -237,6 +238,8 @@ def test_grpo_resume_reproduces_the_uninterrupted_run(noisy_sft, tmp_path):
     common = ["run.max_steps=4", "run.save_every=2", "kl_coef=0.05", "minibatches=2", "num_iterations=2"]
     straight = _grpo(noisy_sft, tmp_path, "straight", *common)
     train_grpo(straight)
+    # the last step saves too (new-user finding 19): a finished run extends from where it ended
+    assert [p.name for p in list_checkpoints(tmp_path / "straight")] == ["step-000002", "step-000004"]
     crashed = _grpo(noisy_sft, tmp_path, "crashed", *common)
 
     crash = crash_at(3)  # after the checkpoint of step 2, before the end

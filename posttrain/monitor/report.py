@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from posttrain.monitor.alerts import read_alerts
+from posttrain.monitor.records import read_records
 
 # (title, metric keys, y label); a key is plotted for every run that logged it
 PANELS = (
@@ -65,7 +66,7 @@ def load_run(path: str | Path, name: str) -> Run:
     return Run(
         name,
         path,
-        _jsonl(path / "metrics.jsonl"),
+        read_records(path / "metrics.jsonl"),
         read_alerts(path),
         _jsonl(path / "samples.jsonl"),
         _jsonl(path / "eval_samples.jsonl"),

@@ -319,7 +319,8 @@ class RewardComposer:
 
     ``max_unscored_steps``: stop after this many calls in a row in which no function scored any
     sample (every value None: nothing is learned from such a batch), warning before; 0 only warns,
-    None checks nothing (another reward, a reward model, scores every sample)."""
+    None checks nothing (another reward, a reward model, scores every sample). ``warn``: where that
+    warning goes (a trainer prints it on its console; default a ``RuntimeWarning``)."""
 
     def __init__(
         self,
@@ -327,6 +328,7 @@ class RewardComposer:
         specs: list[RewardSpec] | None = None,
         tokenizer=None,
         max_unscored_steps: int | None = 3,
+        warn: Callable[[str], None] | None = None,
     ):
         if not functions:
             raise ValueError("at least one reward function is needed")
@@ -341,14 +343,21 @@ class RewardComposer:
             self.functions.append(_Tracked(name, fn, w, spec, [c for c in TOKEN_COLUMNS if c in wanted]))
         self.max_unscored_steps = max_unscored_steps
         self.unscored_steps = 0
+        self.warn = warn
 
     @classmethod
-    def from_specs(cls, specs: list[RewardSpec], tokenizer=None, max_unscored_steps: int | None = 3) -> RewardComposer:
+    def from_specs(
+        cls,
+        specs: list[RewardSpec],
+        tokenizer=None,
+        max_unscored_steps: int | None = 3,
+        warn: Callable[[str], None] | None = None,
+    ) -> RewardComposer:
         functions = []
         for spec in specs:
             fn = load_reward_function(spec.function)
             functions.append((spec.name, partial(fn, **spec.kwargs) if spec.kwargs else fn, spec.weight))
-        return cls(functions, specs, tokenizer, max_unscored_steps)
+        return cls(functions, specs, tokenizer, max_unscored_steps, warn)
 
     def _scores(self, tracked: _Tracked, prompts, completions, columns) -> list:
         """One function's values; on a timeout or an error, handled as its spec says."""
@@ -456,13 +465,15 @@ class RewardComposer:
                 f"no reward function ({names}) scored any sample in {self.unscored_steps} steps in a row (every "
                 f"value None): nothing is being learned. Check that the data has the columns they need."
             )
-        warnings.warn(
+        message = (
             f"no reward function ({names}) scored any of the {B} samples (every value None): nothing is learned "
             f"from this batch ({self.unscored_steps} in a row; the run stops at max_unscored_steps="
-            f"{self.max_unscored_steps})",
-            RuntimeWarning,
-            stacklevel=3,
+            f"{self.max_unscored_steps})"
         )
+        if self.warn is not None:
+            self.warn(message)
+        else:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def fault_counts(self) -> dict[str, float]:
         out = {}

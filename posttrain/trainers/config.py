@@ -82,7 +82,7 @@ class RunConfig:
     eval_every: int | None = None
     """Evaluate on the held-out split every this many steps (and at the end); null = only at the end."""
     save_every: int | None = None
-    """Save a checkpoint every this many steps; null = only the final one."""
+    """Save a resumable checkpoint every this many steps and at the last; null = none (final/ only)."""
     keep_last: int = 2
     """Periodic checkpoints to keep (the oldest are deleted)."""
     resume_from: str | None = None

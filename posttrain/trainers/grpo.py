@@ -281,7 +281,9 @@ class GRPOTrainer(OnlineTrainer):
                 "[grpo] warning: sampling.temperature=0 is greedy decoding: the num_generations responses to a "
                 "prompt are identical, every group advantage is 0 and the policy does not learn; use a temperature > 0"
             )
-        self.rewards = RewardComposer.from_specs(config.rewards, self.tokenizer, config.max_unscored_steps)
+        self.rewards = RewardComposer.from_specs(
+            config.rewards, self.tokenizer, config.max_unscored_steps, warn=self.console_warning
+        )
         policy = load_policy(replace(config.model, device="cpu"))
         self.reference = None
         if config.kl_coef > 0:  # kl_coef = 0 loads no reference at all
@@ -309,6 +311,14 @@ class GRPOTrainer(OnlineTrainer):
             acc.print(f"[grpo] step {step + 1}: every sampled group had equal rewards; no update")
             return metrics, None, None
         mask = self.loss_mask(rollout, applicable)
+        if global_sum(acc, mask.sum()) == 0:  # nothing to train on: no update, no policy metrics (not 0s)
+            if global_sum(acc, applicable.sum()) > 0:  # unscored rows were announced by the reward composer
+                self.console_warning(
+                    f"step {step + 1}: every scored response hit max_new_tokens and mask_truncated leaves it out; "
+                    "no update"
+                )
+            metrics.update(self.reward_metrics(scores, applicable))
+            return metrics, rollout, scores
         with timer("old_logprobs"):
             old_logprobs, is_weights, mismatch = old_logprobs_of(
                 acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
@@ -335,6 +345,13 @@ class GRPOTrainer(OnlineTrainer):
         # 6. log
         metrics.update(self.reward_metrics(scores, applicable))
         return metrics, rollout, scores
+
+    def console_warning(self, message: str) -> None:
+        """A warning line on the main process's console, above the progress bar."""
+        if self.accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"[grpo] warning: {message}")
 
     # -- 1-2. rollout and rewards ---------------------------------------------------------------
 
@@ -492,6 +509,8 @@ class GRPOTrainer(OnlineTrainer):
                 cfg.run.micro_batch_size,
                 lambda s, batch=batch, iteration=iteration: loss_fn(batch, s, iteration),
             )
+            if not result:  # no token of this minibatch trains (unscored or masked rows): no update
+                continue
             first = first or result
             stats.add({**result, "grad_norm": grad_norm}, 1.0)
         out = {("policy/" + k if k != "grad_norm" else k): v for k, v in stats.result(acc).items()}

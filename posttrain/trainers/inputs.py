@@ -272,12 +272,27 @@ def _check_data_path(name: str, path: str) -> None:
     raise FileNotFoundError(f"{name}: no such file: {path}")
 
 
+RUN_FILES = ("config.yaml", "metrics.jsonl", "final")  # what a run folder holds once a run started in it
+
+
 def check_run_dir(run) -> None:
-    """A fresh run (no ``resume_from``) needs an empty or missing ``output_dir``, or ``overwrite``."""
+    """A fresh run needs an empty or missing ``output_dir``, or ``overwrite``. ``resume_from=latest``
+    that finds no complete checkpoint is a fresh run: a folder holding a run (config.yaml,
+    metrics.jsonl or final/) is then refused, never silently started over (``overwrite`` replaces it)."""
+    from posttrain.trainers.checkpoint import list_checkpoints
+
     out = Path(run.output_dir)
-    if run.resume_from is not None or run.overwrite or not out.is_dir():
+    if run.overwrite or not out.is_dir():
+        return
+    if run.resume_from is not None and (run.resume_from != "latest" or list_checkpoints(out)):
         return
     held = sorted(p.name for p in out.iterdir())
+    if run.resume_from == "latest" and (found := [name for name in RUN_FILES if (out / name).exists()]):
+        raise ValueError(
+            f"run.resume_from=latest: {out} holds a run ({', '.join(found)}) but no checkpoint: nothing to resume "
+            "(a run saves checkpoints with run.save_every; final/ is not resumable). Set run.overwrite=true to "
+            "replace it with a new run from step 0, or choose another run.output_dir"
+        )
     if held:
         raise ValueError(
             f"run.output_dir: {out} already holds a run ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); "

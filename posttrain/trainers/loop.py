@@ -42,7 +42,7 @@ from posttrain.trainers.checkpoint import (
 )
 from posttrain.trainers.config import OptimConfig, RunConfig, to_dict
 from posttrain.trainers.inputs import check_batch_split
-from posttrain.trainers.metrics import MetricsLogger
+from posttrain.trainers.metrics import MetricsLogger, read_metrics
 
 
 class Task(Protocol):
@@ -208,22 +208,21 @@ def run_offline(
             "epoch": done / schedule.steps_per_epoch,
             "train/nonfinite_skips": guard.skips,
         }
-        if eval_examples and run.eval_every and done % run.eval_every == 0 and done < total_steps:
+        record = dict(metrics)
+        evaluated = bool(eval_examples) and (done == total_steps or bool(run.eval_every) and done % run.eval_every == 0)
+        if evaluated:  # into the step's record, the last step's too: one record per step
             eval_metrics = evaluate_offline(accelerator, task, model, eval_examples, micro)
-            metrics.update(eval_metrics)
-        if done % run.log_every == 0 or done == total_steps:
-            logger.log(done, metrics, bar_keys)
+            record.update(eval_metrics)
+        if done % run.log_every == 0 or done == total_steps or evaluated:
+            logger.log(done, record, bar_keys)
         logger.advance()
-        if run.save_every and done % run.save_every == 0 and done < total_steps:
+        if checkpoint_due(run, done, total_steps):
             save_checkpoint(
                 accelerator, run.output_dir, done, saved, tokenizer, {"epoch": metrics["epoch"]}, run.keep_last
             )
         for callback in callbacks:
-            callback(done, metrics)
+            callback(done, record)
 
-    if eval_examples:
-        eval_metrics = evaluate_offline(accelerator, task, model, eval_examples, micro)
-        logger.log(total_steps, eval_metrics)
     logger.close()
     save_final(accelerator, run.output_dir, saved, tokenizer)
     return {
@@ -233,6 +232,13 @@ def run_offline(
         "steps": total_steps,
         "processes": accelerator.num_processes,
     }
+
+
+def checkpoint_due(run: RunConfig, done: int, total_steps: int) -> bool:
+    """A checkpoint every ``run.save_every`` steps and at the last step (as Hugging Face ``Trainer`` with
+    ``save_strategy="steps"``): a finished run is resumable, so extending it (a larger ``run.max_steps``)
+    continues from its last step instead of training the steps after the last multiple again."""
+    return bool(run.save_every) and (done % run.save_every == 0 or done == total_steps)
 
 
 def _per_process_batch(config, world: int) -> tuple[int, int]:
@@ -374,28 +380,33 @@ class NonFiniteGuard:
 
 
 def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dict | None, MetricsLogger]:
-    """Clear the run folder (``run.overwrite``) or resume from ``run.resume_from`` (only the run that
-    wrote the checkpoint, see ``checkpoint.check_resumable``; the run's metrics and samples cut back to
-    its step), write the resolved config, open the metric sinks.
+    """Clear the run folder (``run.overwrite`` of a fresh run, or of ``latest`` finding no checkpoint) or
+    resume from ``run.resume_from`` (only the run that wrote the checkpoint, see
+    ``checkpoint.check_resumable``; the run's metrics and samples cut back to its step), write the
+    resolved config, open the metric sinks.
 
     Returns (the checkpoint's trainer state or None, the logger, already advanced to the step resumed).
     """
     run = config.run
     # every process has checked the run folder (inputs.check_run_dir) before the first write to it
     accelerator.wait_for_everyone()
-    if run.overwrite and run.resume_from is None and accelerator.is_main_process:
-        clear_run_dir(run.output_dir)
     state = None
     resume = resolve_resume(run.output_dir, run.resume_from)
+    accelerator.wait_for_everyone()  # every process looked for the checkpoint before one is cleared
+    if run.overwrite and resume is None and accelerator.is_main_process:  # a fresh run (latest found none)
+        clear_run_dir(run.output_dir)
     if run.resume_from == "latest" and resume is None:
         accelerator.print(f"[{run_name}] resume_from=latest: no checkpoint in {run.output_dir}; starting at step 0")
     if resume is not None:
         check_resumable(resume, yaml.safe_load(yaml.safe_dump(to_dict(config))), total_steps)
         state = load_checkpoint(accelerator, resume)
         accelerator.print(f"[{run_name}] resuming from {resume} (step {state['step']} of {total_steps})")
+    elapsed = 0.0
     if accelerator.is_main_process and run.resume_from is not None:
         for name in ("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "eval_samples.jsonl"):
             truncate_records(Path(run.output_dir) / name, 0 if state is None else state["step"])
+        if state is not None and (Path(run.output_dir) / "metrics.jsonl").is_file():
+            elapsed = max((r["time"] for r in read_metrics(run.output_dir) if "time" in r), default=0.0)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_resolved_config(run.output_dir, config)
@@ -409,6 +420,7 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
         run_name=run.name or run_name,
         project=run.project,
         purge_after=None if run.resume_from is None else (0 if state is None else state["step"]),
+        elapsed=elapsed,
     )
     logger.advance(0 if state is None else state["step"])
     return state, logger

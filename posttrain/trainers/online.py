@@ -33,6 +33,7 @@ from posttrain.trainers.loop import (
     NonFiniteGuard,
     backward_share,
     build_accelerator,
+    checkpoint_due,
     global_sum,
     optimizer_step,
     save_final,
@@ -145,6 +146,7 @@ class OnlineTrainer:
             if rollout is None:
                 self.logger.log(step + 1, metrics)
                 self.logger.advance()
+                self.save_if_due(step + 1)
                 continue
             with timer("sync_weights"):
                 self.engine.sync_weights(self.policy)
@@ -161,7 +163,7 @@ class OnlineTrainer:
 
     def end_step(self, done: int, metrics: dict, rollout: Rollout, scores, times: dict, callbacks) -> None:
         """The tail of every step: response, time and throughput metrics; ``samples.jsonl``; held-out
-        evaluation and alerts (``RunMonitor``); the log; a checkpoint every ``run.save_every``; callbacks."""
+        evaluation and alerts (``RunMonitor``); the log; a checkpoint when due (``save_if_due``); callbacks."""
         cfg, acc = self.config, self.accelerator
         metrics.update(response_metrics(acc, rollout))
         metrics.update(times)
@@ -173,13 +175,23 @@ class OnlineTrainer:
         if done % cfg.run.log_every == 0 or done == self.total_steps or "time/eval" in metrics:
             self.logger.log(done, metrics, (*self.BAR_KEYS, *self.monitor.bar_keys))
         self.logger.advance()
-        if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
-            state = self.state()
-            save_checkpoint(
-                acc, cfg.run.output_dir, done, self.models_to_save(), self.tokenizer, state, cfg.run.keep_last
-            )
+        self.save_if_due(done)
         for callback in callbacks:
             callback(done, metrics)
+
+    def save_if_due(self, done: int) -> None:
+        """A checkpoint after step ``done`` when ``loop.checkpoint_due``: every ``run.save_every`` and the last."""
+        cfg = self.config
+        if checkpoint_due(cfg.run, done, self.total_steps):
+            save_checkpoint(
+                self.accelerator,
+                cfg.run.output_dir,
+                done,
+                self.models_to_save(),
+                self.tokenizer,
+                self.state(),
+                cfg.run.keep_last,
+            )
 
 
 # -- the update skeleton ------------------------------------------------------------------------------
@@ -226,7 +238,14 @@ def train_minibatch(
     over every process (``loop.backward_share``, units by ``core.aggregation_units``), gradients
     synchronised on the last micro-batch only. Returns (the stats weighted over micro-batches and
     processes, the gradient norm before clipping).
+
+    A micro-batch without a trained token (GRPO: a group no reward function scored) adds nothing to
+    the stats: its ratio is no 0. A minibatch without any, on every process, is no update at all:
+    returns ({}, nan) without a forward pass or an optimizer step (Adam's momentum would still move
+    the weights on a zero gradient).
     """
+    if global_sum(accelerator, mask.sum()) == 0:
+        return {}, math.nan
     units = global_sum(accelerator, aggregation_units(mask, loss_agg))
     slices = micro_slices(len(mask), micro_batch_size)
     stats, total = StatsAccumulator(), 0.0
@@ -235,7 +254,7 @@ def train_minibatch(
             loss, loss_stats = loss_fn(s)
             weight = backward_share(accelerator, trained.model, loss, aggregation_units(mask[s], loss_agg), units)
         total = total + (loss * weight).detach()
-        stats.add(loss_stats, weight)
+        stats.add(loss_stats, weight, empty=not bool(mask[s].any()))
     grad_norm = optimizer_step(
         accelerator,
         trained.model,
@@ -481,7 +500,8 @@ def kl_metrics(accelerator, kl: torch.Tensor, mask: torch.Tensor) -> dict[str, f
 
 
 class StatsAccumulator:
-    """Weighted means of detached scalars over micro-batches and processes."""
+    """Weighted means (keys ending in ``_max`` / ``_min``: extremes) of detached scalars over
+    micro-batches and processes. A stat nothing contributed to (every part ``empty``) is NaN, not 0."""
 
     def __init__(self):
         self.sums: dict[str, float] = defaultdict(float)
@@ -489,28 +509,37 @@ class StatsAccumulator:
         self.maxima: dict[str, float] = {}
         self.minima: dict[str, float] = {}
 
-    def add(self, stats: dict[str, torch.Tensor], weight: float) -> None:
+    def add(self, stats: dict[str, torch.Tensor], weight: float, empty: bool = False) -> None:
+        """``empty``: the part had nothing to measure (no valid token); its keys are kept (every process
+        reduces the same keys) but its values are not."""
         for key, value in stats.items():
-            value = float(value)
             if key.endswith("_max"):
-                self.maxima[key] = max(self.maxima.get(key, -float("inf")), value)
+                self.maxima[key] = _extreme(max, self.maxima.get(key, -math.inf), -math.inf if empty else value)
             elif key.endswith("_min"):
-                self.minima[key] = min(self.minima.get(key, float("inf")), value)
+                self.minima[key] = _extreme(min, self.minima.get(key, math.inf), math.inf if empty else value)
             else:
-                self.sums[key] += value * weight
-                self.weights[key] += weight
+                self.sums[key] += 0.0 if empty else float(value) * weight
+                self.weights[key] += 0.0 if empty else weight
 
     def result(self, accelerator, prefix: str = "") -> dict[str, float]:
         out = {}
         for key in sorted(self.sums):
-            out[prefix + key] = global_sum(accelerator, self.sums[key]) / max(
-                global_sum(accelerator, self.weights[key]), 1e-12
-            )
+            weight = global_sum(accelerator, self.weights[key])
+            out[prefix + key] = global_sum(accelerator, self.sums[key]) / weight if weight > 0 else math.nan
+        device = accelerator.device
         for key, value in self.maxima.items():
-            out[prefix + key] = float(accelerator.gather(torch.tensor([value], device=accelerator.device)).max())
+            high = float(accelerator.gather(torch.tensor([value], device=device)).max())
+            out[prefix + key] = math.nan if high == -math.inf else high
         for key, value in self.minima.items():
-            out[prefix + key] = float(accelerator.gather(torch.tensor([value], device=accelerator.device)).min())
+            low = float(accelerator.gather(torch.tensor([value], device=device)).min())
+            out[prefix + key] = math.nan if low == math.inf else low
         return out
+
+
+def _extreme(pick, current: float, value) -> float:
+    """``pick`` (max or min) of two numbers, NaN when either is: a NaN ratio must show, not vanish."""
+    value = float(value)
+    return math.nan if math.isnan(current) or math.isnan(value) else pick(current, value)
 
 
 def advantage_metrics(accelerator, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
