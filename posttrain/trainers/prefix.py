@@ -63,7 +63,10 @@ def resolve_shared_prefix(setting, models: list[nn.Module], log: Callable[[str],
     if setting is False:
         return SharedPrefix(enabled=False)
     for model in models:
-        reason = shared_prefix_unsupported(model)
+        # a DeepSpeed ZeRO-3 shard (zero.Init at load, or a frozen role already prepared): the probe
+        # forward below and model_size need whole weights
+        sharded = any(hasattr(p, "ds_id") for p in model.parameters())
+        reason = "the model is sharded by DeepSpeed ZeRO-3" if sharded else shared_prefix_unsupported(model)
         if reason is not None:
             if setting is True:
                 raise ValueError(f"shared_prefix=true, but {type(model).__name__} cannot run packed rows: {reason}")
