@@ -23,6 +23,7 @@ import inspect
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 from posttrain.models import ModelConfig
@@ -117,10 +118,10 @@ def check_batch_split(config, world: int) -> None:
 
 def check_report_to(run) -> None:
     """Every metric sink of ``run.report_to`` has its package installed (it is imported only when the
-    run starts logging, after the models load)."""
+    run starts logging, after the models load); one already imported counts."""
     for sink in run.report_to:
         package = SINK_PACKAGES.get(sink)
-        if package is not None and importlib.util.find_spec(package) is None:
+        if package is not None and sys.modules.get(package) is None and importlib.util.find_spec(package) is None:
             raise ValueError(
                 f"run.report_to: {sink} needs the {package} package, which is not installed: `pip install "
                 f"{package}`, or leave {sink} out of run.report_to (now [{', '.join(run.report_to)}])"
