@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,7 +255,7 @@ def test_grpo_resume_reproduces_the_uninterrupted_run(noisy_sft, tmp_path):
     assert rewards["crashed"][-2:] == rewards["straight"][-2:]  # the same samples after the resume
 
 
-def test_mask_truncated_leaves_truncated_responses_out(noisy_sft, tmp_path):
+def test_mask_truncated_leaves_truncated_responses_out(noisy_sft, tmp_path, capsys):
     config = _grpo(
         noisy_sft,
         tmp_path,
@@ -266,7 +267,13 @@ def test_mask_truncated_leaves_truncated_responses_out(noisy_sft, tmp_path):
     )
     train_grpo(config)
     (record,) = read_metrics(config.run.output_dir)
-    assert record["truncated_share"] == 1.0 and record["grad_norm"] == 0.0
+    # every response is truncated and left out: no update (the weights are the SFT model's), no
+    # policy metrics that would read as a zero gradient, and the console says why
+    assert record["truncated_share"] == 1.0 and "grad_norm" not in record
+    assert "mask_truncated leaves it out; no update" in capsys.readouterr().out
+    before = load_file(Path(noisy_sft["policy"]) / "model.safetensors")
+    after = load_file(tmp_path / "trunc" / "final" / "policy" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 # --------------------------------------------------------------------------------------------------
