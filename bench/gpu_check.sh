@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One short run per (trainer, engine) on the GPUs of this machine: bf16 GRPO and PPO steps under
-# accelerate's DeepSpeed ZeRO-2 and FSDP2 configs (examples/accelerate/), plus GRPO with a colocated
+# accelerate's DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 configs (examples/accelerate/), plus GRPO with a colocated
 # vLLM when vLLM is installed. Writes bench/results/gpu_check-<UTC date>.jsonl: one line per case
 # with its exit status, wall time and last metrics line. Record the outcome with the date in
 # bench/README.md.
@@ -49,9 +49,11 @@ run_case() {  # name, accelerate config (or "none"), trainer, extra args...
 
 run_case grpo-ddp none grpo "${GRPO[@]}"
 run_case grpo-zero2 zero2 grpo "${GRPO[@]}"
+run_case grpo-zero3 zero3 grpo "${GRPO[@]}"
 run_case grpo-fsdp2 fsdp2 grpo "${GRPO[@]}"
 run_case ppo-ddp none ppo "${PPO[@]}"
 run_case ppo-zero2 zero2 ppo "${PPO[@]}"
+run_case ppo-zero3 zero3 ppo "${PPO[@]}"
 run_case ppo-fsdp2 fsdp2 ppo "${PPO[@]}"
 if $PY -c "import vllm" 2>/dev/null; then
   NPROC=1 run_case grpo-vllm-colocate none grpo "${GRPO[@]}" rollout.engine=vllm rollout.sleep=true

@@ -38,7 +38,7 @@ def run_config(args, out: Path, batch_size: int):
     from posttrain.trainers.config import OptimConfig, RunConfig
 
     run = RunConfig(
-        output_dir=str(out),
+        output_dir=str(out / "run"),  # beside the data files: a run refuses a folder that holds anything
         seed=args.seed,
         max_steps=args.steps,
         batch_size=batch_size,
@@ -47,6 +47,13 @@ def run_config(args, out: Path, batch_size: int):
         progress=False,
     )
     return run, OptimConfig(lr=1e-5, scheduler="linear", max_grad_norm=1.0)
+
+
+def shared_prefix(args) -> dict:
+    """``shared_prefix`` of the trainer config when --shared-prefix is given (else posttrain's default, auto)."""
+    if args.shared_prefix is None:
+        return {}
+    return {"shared_prefix": {"true": True, "false": False}.get(args.shared_prefix, args.shared_prefix)}
 
 
 def grpo(args, out: Path, clock: common.StepClock) -> dict:
@@ -72,6 +79,7 @@ def grpo(args, out: Path, clock: common.StepClock) -> dict:
         loss_agg="token-mean",
         log_completions=0,
         **({"rollout": RolloutConfig(engine=args.engine)} if args.engine else {}),
+        **shared_prefix(args),
     )
     t = time.perf_counter()
     trainer = GRPOTrainer(config)
@@ -100,11 +108,18 @@ def offline(args, out: Path, clock: common.StepClock) -> dict:
             beta=0.1,
             loss_type="sigmoid",
             reference="copy",
+            **shared_prefix(args),
         )
     else:
         from posttrain.trainers.rm import RMConfig, train
 
-        config = RMConfig(model=ModelConfig(path=str(Path(args.model_dir) / "reward")), data=data, optim=optim, run=run)
+        config = RMConfig(
+            model=ModelConfig(path=str(Path(args.model_dir) / "reward")),
+            data=data,
+            optim=optim,
+            run=run,
+            **shared_prefix(args),
+        )
     clock.start()  # loading and tokenising fall into step 1, a warm-up step
     train(config, callbacks=[clock])
     return {"tokens_per_step": 2 * args.batch_size * 66}
@@ -124,6 +139,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1024)
     ap.add_argument("--num-pairs", type=int, default=1024)
     ap.add_argument("--engine", choices=["hf", "lean"], default=None, help="GRPO rollout engine (default: posttrain's)")
+    ap.add_argument(
+        "--shared-prefix", choices=["auto", "true", "false"], default=None, help="default: posttrain's (auto)"
+    )
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--output-dir", default=None)
     args = ap.parse_args()

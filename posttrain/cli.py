@@ -119,10 +119,7 @@ def _add_eval_parser(sub) -> None:
 def _eval_overrides(args) -> list[str]:
     """The eval flags as EvalRunConfig key=value overrides (explicit key=value ones come last and win)."""
     specs = [{"function": f} for f in args.rewards.split(",") if f]
-    specs += [
-        {"function": "posttrain.rewards.model:reward_model", "kwargs": {"path": p}, "isolation": "inline"}
-        for p in args.reward_model
-    ]
+    specs += [{"function": "posttrain.rewards.model:reward_model", "kwargs": {"path": p}} for p in args.reward_model]
     out = [f"model.path={args.model}", f"data.path={args.data}", f"rewards={json.dumps(specs)}"]
     if args.temperature == 0:
         if args.n > 1:
@@ -140,14 +137,20 @@ def _eval_overrides(args) -> list[str]:
 
 
 def _run_eval(parser, args) -> int:
+    from posttrain.data import DataError, NoUsableRows
     from posttrain.monitor.evaluate import EvalRunConfig, evaluate_checkpoint, format_table
     from posttrain.trainers.config import load_config
+    from posttrain.trainers.inputs import check_inputs
 
     try:
         config = load_config(EvalRunConfig, args.config, _eval_overrides(args))
+        check_inputs(config)  # the trainers' checks: paths, reward functions, length limits
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"posttrain eval: error: {err}\n")
-    metrics = evaluate_checkpoint(config)
+    try:
+        metrics = evaluate_checkpoint(config)
+    except (DataError, NoUsableRows) as err:  # bad data (a column a reward function needs): one line
+        parser.exit(2, f"posttrain eval: error: {err}\n")
     print(format_table(metrics))
     print(json.dumps(metrics, indent=2))
     return 0
@@ -192,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from posttrain.monitor.report import write_report
 
-        print(f"wrote {write_report(args.runs, args.out)}")
+        try:
+            print(f"wrote {write_report(args.runs, args.out)}")
+        except FileNotFoundError as err:
+            parser.exit(2, f"posttrain report: error: {err}\n")
         return 0
     if args.command == "vllm-serve":
         from posttrain.rollout.vllm_server import serve
@@ -231,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         k: v for k, v in result.items() if k in ("final_metrics", "eval_metrics", "steps", "processes", "output_dir")
     }
-    print(json.dumps(summary, indent=2, default=float))
+    from posttrain.monitor.records import strict_json
+
+    print(json.dumps(strict_json(summary), indent=2, default=float))  # NaN as null: valid JSON for jq
     return 0
 
 

@@ -5,8 +5,10 @@ model card, optionally LoRA-merged and pushed to the Hub.
 
 The folder loads with ``AutoModelForCausalLM.from_pretrained`` (or the reward model's class) and no
 posttrain. Without ``--merge-lora`` an adapter stays an adapter (its base path as stored: absolute,
-or a Hub id). ``README.md`` names the base model, the method, the data, the key hyper-parameters
-and the final metrics, read from the run's ``config.yaml`` and ``metrics.jsonl``.
+or a Hub id). ``README.md`` names the base model (in the Hub metadata only when it is a Hub id), the method, the
+data, the key hyper-parameters and the metrics of the exported weights (a checkpoint: the last
+training record at or before its step and that step's evaluation), read from the run's
+``config.yaml`` and ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ import shutil
 from pathlib import Path
 
 import yaml
+
+from posttrain.data.hub import FILE_SUFFIXES
+from posttrain.trainers.checkpoint import STATE_FILE
+from posttrain.trainers.metrics import read_metrics
 
 KEY_SETTINGS = (
     "optim.lr",
@@ -96,7 +102,8 @@ def _merge(adapter_dir: Path, out: Path) -> None:
 
 
 def model_card(model_dir: Path, run_dir: Path, adapter: bool, merged: bool) -> str:
-    """README.md: YAML metadata for the Hub, then base model, method, data, settings and final metrics."""
+    """README.md: YAML metadata for the Hub, then base model, method, data, settings and the metrics of
+    the exported weights (a checkpoint's step, or the final step)."""
     config_path = run_dir / "config.yaml"
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
     flat = _flatten(config)
@@ -106,11 +113,22 @@ def model_card(model_dir: Path, run_dir: Path, adapter: bool, merged: bool) -> s
     else:  # as the run was given it: resolved when it is a folder here, else a Hub id
         base = flat.get("model.path", "unknown")
         base = str(Path(base).resolve()) if Path(base).exists() else base
+    hub_base = hub_model_id(base)
     is_adapter = adapter and not merged
-    data = " ".join(f"{k}={flat[k]}" for k in ("data.path", "data.name", "data.split") if flat.get(k))
+    data_keys = ("data.path",) if str(flat.get("data.path", "")).endswith(FILE_SUFFIXES) else _DATA_KEYS
+    data = " ".join(f"{k}={flat[k]}" for k in data_keys if flat.get(k))
+    step = checkpoint_step(model_dir)
+    trained, evaluated = metrics_at(run_dir, step)
+    if step is None:
+        weights = "the final model" + (f" (step {trained['step']})" if trained else "")
+    else:
+        weights = f"the checkpoint of step {step}"
+        weights += f" (last metrics logged at step {trained['step']})" if trained and trained["step"] != step else ""
+    metadata = {"base_model": hub_base} if hub_base else {}  # the Hub's base_model is a model id, never a path
+    metadata["library_name"] = "peft" if is_adapter else "transformers"
     lines = [
         "---",
-        yaml.safe_dump({"base_model": base, "library_name": "peft" if is_adapter else "transformers"}).strip(),
+        yaml.safe_dump(metadata, sort_keys=False).strip(),
         f"tags: [posttrain, {method}]",
         "---",
         "",
@@ -119,34 +137,68 @@ def model_card(model_dir: Path, run_dir: Path, adapter: bool, merged: bool) -> s
         f"Trained with posttrain ({method})"
         + (" as a LoRA adapter." if is_adapter else " with LoRA, merged into the base." if merged else "."),
         "",
-        f"- base model: `{base}`",
+        f"- base model: `{base}`" + ("" if hub_base else " (a local folder, not a Hub model)"),
         f"- method: {method}",
         f"- data: `{data or 'unknown'}`",
+        f"- weights: {weights}",
         "",
         "| setting | value |",
         "| --- | --- |",
         *[f"| {k} | {flat[k]} |" for k in KEY_SETTINGS if flat.get(k) is not None],
     ]
-    final, evaluated = _final_metrics(run_dir)
-    for title, metrics in (("Final training metrics", final), ("Final evaluation metrics", evaluated)):
+    final = "Final " if step is None else ""
+    for title, metrics in ((f"{final}training metrics", trained), (f"{final}evaluation metrics", evaluated)):
         if metrics:
-            lines += ["", f"{title} (step {metrics.pop('step')}):", "", "| metric | value |", "| --- | --- |"]
+            title = f"{title[0].upper()}{title[1:]} (step {metrics.pop('step')}):"
+            lines += ["", title, "", "| metric | value |", "| --- | --- |"]
             lines += [f"| {k} | {v:.6g} |" for k, v in sorted(metrics.items())]
     return "\n".join(lines) + "\n"
 
 
-def _final_metrics(run_dir: Path) -> tuple[dict, dict]:
-    """The last record with training metrics and the last with evaluation metrics of metrics.jsonl."""
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    final, evaluated = {}, {}
+_DATA_KEYS = ("data.path", "data.name", "data.split")  # name and split mean something for Hub datasets only
+
+
+def hub_model_id(base: str) -> str | None:
+    """``base`` when it names a Hugging Face Hub model (what the model card's ``base_model`` holds),
+    None for a local folder: one that exists here, or a name the Hub cannot hold (``runs/tiny/policy``,
+    an absolute path) or that is neither ``org/name`` nor in the local Hub cache."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(base).expanduser().exists():
+        return None
+    try:
+        validate_repo_id(base)
+    except HFValidationError:
+        return None
+    return base if "/" in base or isinstance(try_to_load_from_cache(base, "config.json"), str) else None
+
+
+def checkpoint_step(model_dir: Path) -> int | None:
+    """The step of the checkpoint ``model_dir`` (``<run>/checkpoints/step-N/hf/<role>``) belongs to; None
+    for a final model or a bare model folder."""
+    state = model_dir.parent.parent / STATE_FILE
+    if model_dir.parent.name != "hf" or not state.is_file():
+        return None
+    return int(json.loads(state.read_text())["step"])
+
+
+def metrics_at(run_dir: Path, step: int | None) -> tuple[dict, dict]:
+    """({step, training metric: value} of the last record at or before ``step`` with training metrics,
+    {step, eval/...: value} logged at that step, if any), from the run's metrics.jsonl; ``step`` None:
+    the run's last step. ``time`` (seconds since the start) is no training metric."""
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    records = [r for r in records if step is None or r["step"] <= step]
+    trained, evaluated = {}, {}
     for record in records:
         numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        if any(k.startswith("eval") for k in numbers):
-            evaluated = {k: v for k, v in numbers.items() if k.startswith("eval") or k == "step"}
-        if any(not k.startswith("eval") and k != "step" for k in numbers):
-            final = {k: v for k, v in numbers.items() if not k.startswith("eval")}
-    return final, evaluated
+        if any(not k.startswith("eval/") and k not in ("step", "time") for k in numbers):
+            trained = {k: v for k, v in numbers.items() if not k.startswith("eval/") and k != "time"}
+    last = step if step is not None else max((r["step"] for r in records), default=None)
+    for record in records:
+        if record["step"] == last and any(k.startswith("eval/") for k in record):
+            evaluated.update({k: v for k, v in record.items() if k.startswith("eval/") and isinstance(v, int | float)})
+    return trained, ({"step": last, **evaluated} if evaluated else {})
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

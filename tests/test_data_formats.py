@@ -77,9 +77,9 @@ def test_implicit_preference_prompt_is_the_shared_start(tokenizer):
     prompt = tokenizer.apply_chat_template(CONVERSATION[:-1], add_generation_prompt=True, tokenize=False)
     assert tokenizer.decode(conv.prompt_ids) == prompt
     assert tokenizer.decode(conv.chosen_ids) == "4<eos>" and tokenizer.decode(conv.rejected_ids) == "5<eos>"
-    # text: cut back to the last whitespace, so neither reply starts mid-word
-    assert tokenizer.decode(text.prompt_ids) == "<bos>user: Q: is it? A:\nassistant: "
-    assert tokenizer.decode(text.chosen_ids) == " yes it is<eos>"
+    # text: the longest shared start, as TRL's extract_prompt takes it, even mid-word
+    assert tokenizer.decode(text.prompt_ids) == "<bos>user: Q: is it? A: ye\nassistant: "
+    assert tokenizer.decode(text.chosen_ids) == "s it is<eos>"
     for bad, field, why in (
         ({"chosen": "yes", "rejected": "no"}, "chosen", "share no prompt"),
         ({"chosen": "Q: a ", "rejected": "Q: a b"}, "chosen", "nothing follows the prompt"),
@@ -87,6 +87,64 @@ def test_implicit_preference_prompt_is_the_shared_start(tokenizer):
     ):
         with pytest.raises(DataError, match=f"field '{field}': .*{why}"):
             load_preferences(DataConfig(path="pairs"), tokenizer, [bad])
+
+
+def test_implicit_preference_text_is_split_as_trl_extract_prompt_splits_it(tokenizer):
+    """Newuser #12: {"chosen": "3+4=7", "rejected": "3+4=8"} was refused ("share no prompt at their
+    start"): the shared start was cut back to a whitespace and found none. TRL's extract_prompt takes
+    the shared start up to the first difference and gives a space just before it to the replies."""
+    rows = [
+        {"chosen": "3+4=7", "rejected": "3+4=8"},
+        {"chosen": "The sky is blue.", "rejected": "The sky is green."},
+        {"chosen": "Q:\nA", "rejected": "Q:\nB"},
+    ]
+    config = DataConfig(path="pairs", chat_template="never")
+    examples, _ = load_preferences(config, tokenizer, rows)
+    split = [[tokenizer.decode(ids) for ids in (e.prompt_ids, e.chosen_ids, e.rejected_ids)] for e in examples]
+    assert split == [
+        ["<bos>3+4=", "7<eos>", "8<eos>"],
+        ["<bos>The sky is", " blue.<eos>", " green.<eos>"],  # the space goes with the replies
+        ["<bos>Q:\n", "A<eos>", "B<eos>"],  # only a space does (TRL's rule)
+    ]
+
+
+def test_a_file_of_another_kind_is_named_with_the_command_that_reads_it(tokenizer):
+    """Newuser #13, #27: SFT fed a preference file said only "field 'completion': missing"; RM fed an SFT
+    file asked for 'responses' (the ranking format) without saying the file was an SFT one."""
+    config = DataConfig(path="f", chat_template="never")
+    preference = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
+    sft = {"prompt": "1+1=", "completion": "2"}
+    cases = [
+        (
+            load_sft,
+            preference,
+            "completion",
+            "preference rows .*, read by posttrain dpo and posttrain rm; this command reads SFT rows",
+        ),
+        (
+            load_rankings,
+            sft,
+            "responses",
+            r"SFT rows .*, read by posttrain sft; this command reads preference rows \(prompt/chosen/rejected\) or "
+            "ranking rows",
+        ),
+        (load_preferences, sft, "chosen", "SFT rows .*, read by posttrain sft; this command reads preference rows"),
+        (
+            load_prompts,
+            {"chosen": "a b", "rejected": "a c"},
+            "prompt",
+            "preference rows .*; this command reads prompt rows",
+        ),
+    ]
+    for loader, row, field, why in cases:
+        with pytest.raises(DataError, match=rf":1: field '{field}': missing: this looks like a file of {why}"):
+            loader(config, tokenizer, [row])
+    with pytest.raises(
+        DataError, match="this looks like a file of prompt rows .* read by posttrain grpo and posttrain ppo"
+    ):
+        load_sft(config, tokenizer, [{"prompt": "1+1=", "answer": "2"}])
+    with pytest.raises(DataError, match=r":1: field 'prompt': missing$"):  # like no kind: just what is missing
+        load_sft(config, tokenizer, [{"completion": "2"}])
 
 
 def test_raw_hh_rlhf_dialogues_load_as_implicit_preferences(tokenizer):

@@ -141,6 +141,18 @@ def test_each_rule_fires_on_its_pattern_and_only_once_while_it_holds(rule_id, ch
     assert raised.count(rule_id) == 1  # raised at onset, not at every step it holds
 
 
+def test_a_step_nothing_scored_is_no_sampler_mismatch_and_no_non_finite_reward():
+    """New-user finding 15: a GRPO step no reward function scored (reward/mean NaN by design, with
+    reward/applicable_share 0, and no policy metrics: nothing trained) raised alerts 4 and 11."""
+    nothing = {k: v for k, v in BASE.items() if not k.startswith("policy/") and k not in ("entropy", "grad_norm")}
+    nothing |= {"reward/mean": math.nan, "reward/applicable_share": 0.0}
+    records = _healthy()
+    records[5] = nothing
+    assert _stream(records) == []
+    records[5] = {**BASE, "reward/mean": math.nan, "reward/applicable_share": 0.5}  # scored, and still NaN
+    assert _stream(records) == [11]
+
+
 def test_length_rule_needs_the_correlation_with_reward():
     longer_but_worse = [
         {**r, "response_length/mean": 20.0 + 5 * i, "reward/mean": 1.0 - 0.05 * i} for i, r in enumerate(_healthy())
@@ -195,6 +207,33 @@ def test_truncation_rule_is_silent_when_length_is_forced():
     records = [{**r, "truncated_share": 1.0} for r in _healthy()]
     monitor = HealthMonitor(AlertConfig(window=4), None, "reward/mean", "reward/std", True, echo=lambda s: None)
     assert all(monitor.check(i, r) == [] for i, r in enumerate(records, 1))
+
+
+def test_metrics_jsonl_is_strict_json_and_every_reader_reads_nan_back(tmp_path):
+    """New-user finding 17: metrics.jsonl held bare NaN, which jq and strict JSON parsers refuse."""
+    from posttrain.monitor.records import strict_json
+    from posttrain.monitor.report import write_report
+    from posttrain.trainers.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path / "run", ["jsonl"], {}, progress=False)
+    logger.log(1, {"reward/mean": math.nan, "grad_norm": math.inf, "loss": 0.5})
+    logger.close()
+    (line,) = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    record = json.loads(line, parse_constant=refuse)  # what a strict parser accepts
+    assert record["reward/mean"] is None and record["grad_norm"] is None and record["loss"] == 0.5
+    (read,) = read_metrics(tmp_path / "run")
+    assert math.isnan(read["reward/mean"]) and math.isnan(read["grad_norm"]) and read["loss"] == 0.5
+    assert "<b>reward/mean</b> nan" in write_report([tmp_path / "run"], tmp_path / "report.html").read_text()
+    (tmp_path / "old").mkdir()  # a run written before: bare NaN still reads
+    (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 1, "reward/mean": NaN}\n')
+    assert math.isnan(read_metrics(tmp_path / "old")[0]["reward/mean"])
+    assert strict_json({"final_metrics": {"a": math.nan, "b": [math.inf, 1.0]}}) == {
+        "final_metrics": {"a": None, "b": [None, 1.0]}
+    }
 
 
 def test_alerts_go_to_console_and_jsonl_with_what_was_seen_causes_and_remedy(tmp_path):

@@ -276,3 +276,19 @@ def test_builtin_answer_rewards():
     assert exact_answer(None, [" 46 ", "46;", "x"], ["46", "46", None]) == [1.0, 0.0, None]
     # the TRL CPU benchmark's shaping: 1 for the right leading number, 0.1 for other digits, else 0
     assert starts_with_answer(None, ["46;12", "4", "x46", "461"], ["46"] * 4) == [1.0, 0.1, 0.0, 0.1]
+
+
+def test_required_columns_are_the_parameters_without_a_default_that_posttrain_does_not_hand_over():
+    """What ``check_columns`` asks of the data before anything is generated (newuser #23)."""
+    from posttrain.rewards import required_columns
+    from posttrain.rewards.builtin import exact_answer
+
+    def custom(prompts, completions, answer, level=1, *, tests, prompt_ids, policy_tokenizer, **columns):
+        return []
+
+    assert required_columns(exact_answer) == ["answer"]
+    assert required_columns(code_tests) == ["tests"]
+    assert required_columns(custom) == ["answer", "tests"]
+    assert required_columns(soft_overlong, {"max_length": 10, "buffer": 2}) == []  # bound by the spec's kwargs
+    assert required_columns(reward_model, {"path": "m"}) == []
+    assert required_columns(lambda prompts, completions, **columns: []) == []

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from posttrain.core import aggregate_loss, group_advantages, kl_penalty, ppo_pol
 from posttrain.data.synthetic import vowel_pairs
 from posttrain.models import response_logprobs
 from posttrain.rewards import RewardComposer, RewardError
+from posttrain.trainers.checkpoint import list_checkpoints
 from posttrain.trainers.config import load_config
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer, _scores_with_missing
 from posttrain.trainers.grpo import train as train_grpo
@@ -237,6 +239,8 @@ def test_grpo_resume_reproduces_the_uninterrupted_run(noisy_sft, tmp_path):
     common = ["run.max_steps=4", "run.save_every=2", "kl_coef=0.05", "minibatches=2", "num_iterations=2"]
     straight = _grpo(noisy_sft, tmp_path, "straight", *common)
     train_grpo(straight)
+    # the last step saves too (new-user finding 19): a finished run extends from where it ended
+    assert [p.name for p in list_checkpoints(tmp_path / "straight")] == ["step-000002", "step-000004"]
     crashed = _grpo(noisy_sft, tmp_path, "crashed", *common)
 
     crash = crash_at(3)  # after the checkpoint of step 2, before the end
@@ -251,7 +255,7 @@ def test_grpo_resume_reproduces_the_uninterrupted_run(noisy_sft, tmp_path):
     assert rewards["crashed"][-2:] == rewards["straight"][-2:]  # the same samples after the resume
 
 
-def test_mask_truncated_leaves_truncated_responses_out(noisy_sft, tmp_path):
+def test_mask_truncated_leaves_truncated_responses_out(noisy_sft, tmp_path, capsys):
     config = _grpo(
         noisy_sft,
         tmp_path,
@@ -263,7 +267,13 @@ def test_mask_truncated_leaves_truncated_responses_out(noisy_sft, tmp_path):
     )
     train_grpo(config)
     (record,) = read_metrics(config.run.output_dir)
-    assert record["truncated_share"] == 1.0 and record["grad_norm"] == 0.0
+    # every response is truncated and left out: no update (the weights are the SFT model's), no
+    # policy metrics that would read as a zero gradient, and the console says why
+    assert record["truncated_share"] == 1.0 and "grad_norm" not in record
+    assert "mask_truncated leaves it out; no update" in capsys.readouterr().out
+    before = load_file(Path(noisy_sft["policy"]) / "model.safetensors")
+    after = load_file(tmp_path / "trunc" / "final" / "policy" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -270,7 +270,28 @@ def load_prompts(config: DataConfig, tokenizer, source=None) -> tuple[list[Promp
             return None, False, "over-long prompt"
         return PromptExample(encoded.prompt_ids, prompt, columns), encoded.truncated, ""
 
-    return _build(config, tokenizer, source, make, PromptExample)
+    examples, report = _build(config, tokenizer, source, make, PromptExample)
+    names = {name for example in examples for name in example.columns}
+    for example in examples:  # a column some rows lack is None there, never absent from a batch
+        for name in names:
+            example.columns.setdefault(name, None)
+    return examples, report
+
+
+def check_columns(examples: list[PromptExample], needs: dict[str, list[str]], source: str) -> None:
+    """Every column a reward function cannot run without (``needs``: {function: columns}, from
+    ``posttrain.rewards.reward_columns``) is in the prompt rows; else a ``DataError`` naming the
+    function, the column and the columns the rows have, before anything is generated."""
+    have = {"prompt"} | {name for example in examples for name in example.columns}
+    for function, columns in needs.items():
+        for column in columns:
+            if column not in have:
+                raise DataError(
+                    source,
+                    column,
+                    f"missing: reward function {function!r} needs this column, which no row has "
+                    f"(the rows' columns: {', '.join(sorted(have))}), or a value in that reward's kwargs",
+                )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -172,20 +172,22 @@ def reject_unpaired(data: dict, where: str) -> None:
 
 
 def shared_prompt(chosen, rejected, where: str) -> tuple[str | list[dict], str | list[dict], str | list[dict]]:
-    """(prompt, chosen, rejected) of an implicit preference pair: the prompt is the longest shared start.
+    """(prompt, chosen, rejected) of an implicit preference pair: the prompt is the longest shared start,
+    as TRL's ``extract_prompt`` takes it.
 
-    Messages: the shared leading messages. Text: the shared leading characters, cut back to the last
-    whitespace so that no reply starts mid-word (the whitespace goes with the replies, as in TRL).
+    Messages: the shared leading messages. Text: the shared leading characters up to the first that
+    differs; when the one before it is a space, the space goes with the replies ("The sky is" + " blue."
+    / " green."). Otherwise the replies start where the texts differ, mid-word if need be ("3+4=" + "7" /
+    "8"). Unlike TRL, a pair in which one text is the start of the other is an error (TRL cuts the
+    shared text one character short there).
     """
     if isinstance(chosen, str) != isinstance(rejected, str):
         raise DataError(where, "rejected", "chosen and rejected must both be text or both be messages")
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
-    if isinstance(chosen, str):
-        while n > 0 and not chosen[n - 1].isspace():
-            n -= 1
-        n = len(chosen[:n].rstrip())
+    if isinstance(chosen, str) and 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " ":
+        n -= 1
     if n == 0:
         raise DataError(where, "chosen", "implicit preference: chosen and rejected share no prompt at their start")
     for field, value in (("chosen", chosen), ("rejected", rejected)):
@@ -193,6 +195,47 @@ def shared_prompt(chosen, rejected, where: str) -> tuple[str | list[dict], str |
         if not rest or (isinstance(rest, str) and not rest.strip()):
             raise DataError(where, field, "implicit preference: nothing follows the prompt shared with the other")
     return chosen[:n], chosen[n:], rejected[n:]
+
+
+# dataset kind: (its rows, the commands that read them)
+KINDS = {
+    "sft": ("SFT rows (prompt/completion, messages or text)", "posttrain sft"),
+    "preference": ("preference rows (prompt/chosen/rejected or chosen/rejected)", "posttrain dpo and posttrain rm"),
+    "ranking": ("ranking rows (prompt/responses)", "posttrain rm"),
+    "prompt": ("prompt rows (prompt and reward columns)", "posttrain grpo and posttrain ppo"),
+}
+_READ_BY_RM = "preference rows (prompt/chosen/rejected) or ranking rows (prompt/responses)"
+
+
+def row_kind(data: dict) -> str | None:
+    """The dataset kind (a key of ``KINDS``) that a row's columns point to, None when they point to none."""
+    keys = data.keys()
+    if {"chosen", "rejected"} <= keys:
+        return "preference"
+    if "responses" in keys:
+        return "ranking"
+    if "messages" in keys or "text" in keys or {"prompt", "completion"} <= keys:
+        return "sft"
+    return "prompt" if "prompt" in keys else None
+
+
+def _refuse_other_kind(row: Row, field: str, wanted: str) -> None:
+    """When column ``field`` of ``wanted`` rows is missing and the row looks like another kind of
+    dataset: a DataError saying which, what reads it, and what this command reads."""
+    found = row_kind(row.data)
+    if field in row.data or found in (None, wanted):
+        return
+    rows, readers = KINDS[found]
+    reads = _READ_BY_RM if wanted == "ranking" else KINDS[wanted][0]  # only rm reads rankings, and pairs too
+    raise DataError(
+        row.where, field, f"missing: this looks like a file of {rows}, read by {readers}; this command reads {reads}"
+    )
+
+
+def _required(row: Row, field: str, wanted: str, **kwargs) -> str | list[dict]:
+    """``_text_or_messages`` of a column that ``wanted`` rows need (``_refuse_other_kind`` first)."""
+    _refuse_other_kind(row, field, wanted)
+    return _text_or_messages(row, field, **kwargs)
 
 
 def check_sft(row: Row) -> tuple[str | list[dict] | None, str | list[dict]]:
@@ -211,13 +254,13 @@ def check_sft(row: Row) -> tuple[str | list[dict] | None, str | list[dict]]:
         if sum(m["role"] == "assistant" for m in messages) > 1:
             return None, messages
         return messages[:-1], messages[-1:]
-    return _text_or_messages(row, "prompt"), _text_or_messages(row, "completion")
+    return _required(row, "prompt", "sft"), _required(row, "completion", "sft")
 
 
 def check_preference(row: Row) -> tuple[str | list[dict], str | list[dict], str | list[dict]]:
     """(prompt, chosen, rejected) of an explicit or implicit preference row; chosen == rejected is an error."""
     reject_unpaired(row.data, row.where)
-    chosen, rejected = _text_or_messages(row, "chosen"), _text_or_messages(row, "rejected")
+    chosen, rejected = _required(row, "chosen", "preference"), _required(row, "rejected", "preference")
     if chosen == rejected:
         raise DataError(row.where, "rejected", "identical to 'chosen': the pair carries no preference")
     if "prompt" not in row.data:
@@ -228,7 +271,8 @@ def check_preference(row: Row) -> tuple[str | list[dict], str | list[dict], str 
 def check_ranking(row: Row) -> tuple[str | list[dict], list[str | list[dict]]]:
     """(prompt, responses best first) of a ranking row."""
     reject_unpaired(row.data, row.where)
-    prompt = _text_or_messages(row, "prompt")
+    prompt = _required(row, "prompt", "ranking")
+    _refuse_other_kind(row, "responses", "ranking")
     responses = row.data.get("responses")
     if not isinstance(responses, list) or len(responses) < 2:
         raise DataError(row.where, "responses", "needs a list of at least 2 responses, best first")
@@ -244,5 +288,5 @@ def check_ranking(row: Row) -> tuple[str | list[dict], list[str | list[dict]]]:
 def check_prompt(row: Row) -> tuple[str | list[dict], dict[str, Any]]:
     """(prompt, other columns) of an RL prompt row."""
     reject_unpaired(row.data, row.where)
-    prompt = _text_or_messages(row, "prompt")
+    prompt = _required(row, "prompt", "prompt")
     return prompt, {k: v for k, v in row.data.items() if k != "prompt"}

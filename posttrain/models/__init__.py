@@ -22,6 +22,9 @@ from posttrain.models.roles import (
     response_logprobs,
     sequence_logprobs,
     sequence_scores,
+    shared_prefix_logprobs,
+    shared_prefix_scores,
+    shared_prefix_unsupported,
     token_values,
 )
 
@@ -45,5 +48,8 @@ __all__ = [
     "response_logprobs",
     "sequence_logprobs",
     "sequence_scores",
+    "shared_prefix_logprobs",
+    "shared_prefix_scores",
+    "shared_prefix_unsupported",
     "token_values",
 ]

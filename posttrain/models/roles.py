@@ -18,6 +18,14 @@ import torch
 from torch import nn
 
 from posttrain.core import entropy_from_logits, last_valid_index, position_ids_from_mask, token_logprobs
+from posttrain.core.packing import (
+    SharedPrefixBatch,
+    gather_at_predictors,
+    pack_shared_prefix,
+    response_last_positions,
+    shared_prefix_attention_mask,
+    shared_prefix_token_logprobs,
+)
 from posttrain.models.loading import ModelConfig, disable_dropout, is_peft_adapter, load_causal_lm, load_scalar_model
 
 REFERENCE_ADAPTER = "reference"
@@ -104,16 +112,35 @@ def _score_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def _hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    # the transformer without its task head (LlamaModel, Qwen2Model, ...); a LoRA model's has the adapter in it
-    backbone = (model.get_base_model() if is_peft_model(model) else model).base_model
-    out = backbone(
+def _backbone(model: nn.Module) -> nn.Module:
+    """The transformer without its task head (LlamaModel, Qwen2Model, ...); a LoRA model's has the adapter in it."""
+    return (model.get_base_model() if is_peft_model(model) else model).base_model
+
+
+def _hidden_states(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Last hidden states [B, L, H]; position ids from the 2-D mask unless given (a 4-D mask, packed rows)."""
+    out = _backbone(model)(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
+        position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
         use_cache=False,
     )
     return out.last_hidden_state  # [B, L, H]
+
+
+def _read_scores(model: nn.Module, last_hidden: torch.Tensor) -> torch.Tensor:
+    """The score head on the hidden states read for each sequence, [B, H] → [B], normalised when the
+    checkpoint says so (``reward_normalization``)."""
+    scores = _score_head(model)(last_hidden).squeeze(-1).float()
+    normalization = getattr(model.config, "reward_normalization", None)
+    if normalization:
+        scores = (scores - normalization["mean"]) / normalization["std"]
+    return scores
 
 
 def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -128,11 +155,7 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     hidden = _hidden_states(model, input_ids, attention_mask)
     last = last_valid_index(attention_mask).clamp(min=0)
     last_hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
-    scores = _score_head(model)(last_hidden).squeeze(-1).float()
-    normalization = getattr(model.config, "reward_normalization", None)
-    if normalization:
-        scores = (scores - normalization["mean"]) / normalization["std"]
-    return scores
+    return _read_scores(model, last_hidden)
 
 
 def token_values(
@@ -146,6 +169,119 @@ def token_values(
     """
     hidden = _hidden_states(model, input_ids, attention_mask)[:, -response_length - 1 : -1]  # [B, T, H]
     return _score_head(model)(hidden).squeeze(-1).float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared-prefix packing: a prompt once, then all of its responses, in one row (core.packing)
+# --------------------------------------------------------------------------------------------------
+
+SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
+
+
+def _attention_implementation(model: nn.Module) -> str:
+    # accelerate's DDP/FSDP wrappers and DeepSpeed's engine hold the Hugging Face model as `.module`
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model.config._attn_implementation
+
+
+def _packed_attention_mask(model: nn.Module, batch: SharedPrefixBatch) -> torch.Tensor:
+    """The [R, 1, L, L] mask of ``core.packing.shared_prefix_attention_mask`` as the model's attention
+    takes it. transformers passes a 4-D mask through unchanged (``masking_utils``): sdpa selects with
+    a boolean one (True = attend), eager *adds* its mask to the scores, so it gets 0 / float32's
+    minimum (a boolean mask there would add 1 to the allowed scores and mask nothing)."""
+    allowed = shared_prefix_attention_mask(batch.segment_ids)
+    if _attention_implementation(model) == "eager":
+        return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    return allowed
+
+
+def shared_prefix_logprobs(
+    model: nn.Module,
+    batch: SharedPrefixBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """log π of every response token of packed rows: (logprobs [N, T], entropy [N, T] or None,
+    response_mask [N, T]).
+
+    One forward over the R rows of ``batch`` (``core.packing``: prompt once, then its responses, each
+    attending to the prompt and to itself); the logits are computed from the earliest prompt end on
+    only. Equal to ``response_logprobs`` of each (prompt, response) alone up to float rounding, for
+    the models ``shared_prefix_unsupported`` accepts; the entropy likewise (a detached metric unless
+    ``entropy_grad``).
+    """
+    keep = batch.input_ids.shape[1] - batch.first_logit_position
+    logits = model(
+        input_ids=batch.input_ids,
+        attention_mask=_packed_attention_mask(model, batch),
+        position_ids=batch.position_ids,
+        use_cache=False,
+        logits_to_keep=keep,
+    ).logits  # [R, keep, V]
+    logprobs, response_mask = shared_prefix_token_logprobs(logits, batch, temperature)
+    entropy = None
+    if with_entropy:
+        per_position = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
+        entropy = gather_at_predictors(per_position, batch)  # [N, T]
+    return logprobs, entropy, response_mask
+
+
+def shared_prefix_scores(model: nn.Module, batch: SharedPrefixBatch) -> torch.Tensor:
+    """Reward-model score of every response of packed rows, read at its last token, [N].
+
+    The *ForSequenceClassification head pools at a last non-pad token of its own choosing, which
+    in a packed row is the last response's; the backbone's hidden states are read at each
+    response's last position instead (``core.packing.response_last_positions``).
+    """
+    hidden = _hidden_states(model, batch.input_ids, _packed_attention_mask(model, batch), batch.position_ids)
+    rows, positions = response_last_positions(batch)
+    return _read_scores(model, hidden[rows, positions])
+
+
+def shared_prefix_unsupported(model: nn.Module) -> str | None:
+    """Why ``model`` cannot run shared-prefix rows exactly, or None when it can.
+
+    A packed row needs the model to take a 4-D attention mask as given and to place tokens by
+    ``position_ids``. Known not to: attention kernels other than sdpa and eager (flash-attention
+    takes no mask, flex attention a BlockMask), and sliding-window or linear-attention layers (their
+    own masks would be replaced). For the rest a probe decides: two small packed rows (prompts of 5
+    and 3 tokens, responses of 3 + 2 and 1 tokens, padding) against each sequence alone; the last
+    hidden states must agree within 1e-4 (float32) or 3e-2 (half precision) of their scale.
+    """
+    implementation = _attention_implementation(model)
+    if implementation not in SHARED_PREFIX_ATTENTION:
+        return f"attention implementation {implementation!r} takes no 4-D attention mask (sdpa and eager do)"
+    text = model.config.get_text_config()
+    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if getattr(text, "sliding_window", None) is not None or layer_types != {"full_attention"}:
+        return f"layers {sorted(layer_types)} / sliding_window: a 4-D mask would replace their own attention masks"
+    return _probe_shared_prefix(model)
+
+
+def _probe_shared_prefix(model: nn.Module) -> str | None:
+    vocab = model.get_input_embeddings().num_embeddings
+    parameter = next(model.parameters())
+    tokens = lambda n, seed: [(seed + 7 * i) % vocab for i in range(n)]  # noqa: E731
+    prompts = [tokens(5, 3), tokens(3, 41)]
+    responses = [[tokens(3, 11), tokens(2, 29)], [tokens(1, 17)]]
+    batch = pack_shared_prefix(prompts, responses, pad_id=0).to(parameter.device)
+    tolerance = 1e-4 if parameter.dtype in (torch.float32, torch.float64) else 3e-2
+    with torch.no_grad():
+        packed = _hidden_states(model, batch.input_ids, _packed_attention_mask(model, batch), batch.position_ids)
+        n = 0
+        for r, prompt in enumerate(prompts):
+            for response in responses[r]:
+                ids = torch.tensor([prompt + response], device=parameter.device)
+                alone = _hidden_states(model, ids, torch.ones_like(ids))[0, len(prompt) :]
+                start = int(batch.response_starts[n])
+                got = packed[r, start : start + len(response)]
+                error = (got - alone).abs().max().item() / max(1.0, alone.abs().max().item())
+                if not error <= tolerance:  # `not <=`: a NaN fails too
+                    return f"a probe of packed rows differs from the sequences alone (relative error {error:.2g})"
+                n += 1
+    return None
 
 
 class _ScalarRole(nn.Module):
@@ -168,9 +304,17 @@ class _ScalarRole(nn.Module):
 
 
 class RewardScorer(_ScalarRole):
-    """``forward(input_ids, attention_mask)`` = ``sequence_scores`` of the reward model, [B]."""
+    """``forward(input_ids, attention_mask)`` = ``sequence_scores`` of the reward model, [B];
+    ``forward(packed=batch)`` = ``shared_prefix_scores`` of a ``SharedPrefixBatch``, [N]."""
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        packed: SharedPrefixBatch | None = None,
+    ) -> torch.Tensor:
+        if packed is not None:
+            return shared_prefix_scores(self.model, packed)
         return sequence_scores(self.model, input_ids, attention_mask)
 
 
@@ -293,6 +437,13 @@ class Reference:
                 model, input_ids.to(device), attention_mask.to(device), response_length, temperature
             )
         return logprobs.to(input_ids.device)
+
+    def shared_prefix_logprobs(self, batch: SharedPrefixBatch, temperature: float = 1.0) -> torch.Tensor:
+        """log π_ref of the responses of packed rows, [N, T] (see ``shared_prefix_logprobs``)."""
+        with self.model_for_forward() as model:
+            device = next(model.parameters()).device
+            logprobs, _, _ = shared_prefix_logprobs(model, batch.to(device), temperature)
+        return logprobs.to(batch.input_ids.device)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ def _clipping(history, cfg, ctx):
 def _first_ratio(history, cfg, ctx):
     record = history[-1]
     high, low = record.get("policy/first_minibatch_ratio_max"), record.get("policy/first_minibatch_ratio_min")
-    if high is None or low is None:
+    if high is None or low is None:  # a step with nothing to train on (GRPO: nothing scored) logs no ratio
         return None
     off = max(abs(high - 1), abs(low - 1))
     if not off <= cfg.first_ratio_tol:  # NaN counts as off
@@ -247,11 +247,11 @@ NON_FINITE_KEYS = ("policy/loss", "policy/pg_loss", "grad_norm", "critic_grad_no
 
 def _non_finite(history, cfg, ctx):
     record = history[-1]
-    bad = [
-        k
-        for k in (*NON_FINITE_KEYS, ctx["reward"])
-        if k in record and (record[k] is None or not math.isfinite(float(record[k])))
-    ]
+    # a GRPO step no reward function scored logs reward/mean NaN by design, with reward/applicable_share 0
+    # (the trainer warns and stops after max_unscored_steps): that is no non-finite reward
+    nothing_scored = record.get("reward/applicable_share") == 0
+    keys = NON_FINITE_KEYS if nothing_scored else (*NON_FINITE_KEYS, ctx["reward"])
+    bad = [k for k in keys if k in record and (record[k] is None or not math.isfinite(float(record[k])))]
     if bad:
         return "non-finite " + ", ".join(f"{k}={record[k]}" for k in bad)
     return None

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from posttrain.data import DataConfig, PromptExample, load_prompts
+from posttrain.data import DataConfig, PromptExample, check_columns, load_prompts
 from posttrain.models import ModelConfig, load_policy, load_tokenizer
-from posttrain.rewards import RewardComposer, RewardSpec
+from posttrain.rewards import RewardComposer, RewardSpec, reward_columns
 from posttrain.rollout import HFEngine, SamplingParams
 
 
@@ -117,12 +117,14 @@ class Evaluator:
     def for_training(cls, config, eval_prompts: list[PromptExample], tokenizer, accelerator) -> Evaluator | None:
         """The evaluator of a PPO/GRPO run: ``config.eval.path`` when set, else ``eval_prompts`` (the
         ``data.eval_fraction`` split); None when there is nothing to evaluate on."""
+        specs = config.eval.rewards or config.rewards
         if config.eval.path:
             eval_prompts, report = load_prompts(replace(config.data, path=config.eval.path), tokenizer)
             accelerator.print(f"[eval] held-out prompts: {report.summary()}")
+            check_columns(eval_prompts, reward_columns(specs), config.eval.path)
         if not eval_prompts:
             return None
-        rewards = RewardComposer.from_specs(config.eval.rewards or config.rewards)
+        rewards = RewardComposer.from_specs(specs)
         return cls(config.eval, eval_prompts, rewards, config.sampling, config.run.output_dir, accelerator)
 
     def due(self, step: int, total_steps: int, every: int | None) -> bool:
@@ -255,6 +257,7 @@ def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
     config.validate()
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
     prompts, _ = load_prompts(config.data, tokenizer)
+    check_columns(prompts, reward_columns(config.rewards), config.data.path)  # before the model loads
     model = load_policy(config.model)
     evaluator = Evaluator(
         config.eval, prompts, RewardComposer.from_specs(config.rewards), config.sampling, config.output_dir

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from posttrain.monitor.alerts import read_alerts
+from posttrain.monitor.records import read_records
 
 # (title, metric keys, y label); a key is plotted for every run that logged it
 PANELS = (
@@ -56,6 +57,8 @@ def load_run(path: str | Path, name: str) -> Run:
     import yaml
 
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no run folder {path}")
     if not (path / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{path}: no metrics.jsonl (is this a posttrain run folder?)")
     config_path = path / "config.yaml"
@@ -63,7 +66,7 @@ def load_run(path: str | Path, name: str) -> Run:
     return Run(
         name,
         path,
-        _jsonl(path / "metrics.jsonl"),
+        read_records(path / "metrics.jsonl"),
         read_alerts(path),
         _jsonl(path / "samples.jsonl"),
         _jsonl(path / "eval_samples.jsonl"),
@@ -282,6 +285,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     """Write the report of ``run_dirs`` to ``out`` (default: RUN_DIR/report.html for one run, else
     ./report.html); returns its path."""
     out = Path(out) if out else (Path(run_dirs[0]) / "report.html" if len(run_dirs) == 1 else Path("report.html"))
+    html = build_report(run_dirs)  # first: a wrong run folder is said before anything is created
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build_report(run_dirs), encoding="utf-8")
+    out.write_text(html, encoding="utf-8")
     return out

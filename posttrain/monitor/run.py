@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 from posttrain.data import PromptExample
 from posttrain.monitor.alerts import HealthMonitor, read_alerts
 from posttrain.monitor.evaluate import Evaluator
+from posttrain.monitor.records import read_records
 
 
 class RunMonitor:
@@ -45,7 +45,7 @@ class RunMonitor:
         from pathlib import Path
 
         path = Path(output_dir) / "metrics.jsonl"
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+        records = read_records(path) if path.is_file() else []
         self.health.restore([r for r in records if "step" in r], len(read_alerts(output_dir)))
 
     @property

@@ -8,6 +8,8 @@ from posttrain.rewards.base import (
     RewardSpec,
     call_with_timeout,
     load_reward_function,
+    required_columns,
+    reward_columns,
     unpad,
 )
 from posttrain.rewards.length import length_penalty, overlong_penalty
@@ -22,5 +24,7 @@ __all__ = [
     "length_penalty",
     "load_reward_function",
     "overlong_penalty",
+    "required_columns",
+    "reward_columns",
     "unpad",
 ]

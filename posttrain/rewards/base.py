@@ -18,6 +18,7 @@ needs to read exactly the tokens the policy produced (``posttrain.rewards.model`
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -25,6 +26,7 @@ import math
 import multiprocessing
 import numbers
 import os
+import queue
 import signal
 import threading
 import time
@@ -43,6 +45,11 @@ from posttrain.rewards import sandbox
 RewardFunction = Callable[..., list]
 ON_ERROR = ("raise", "skip")
 ISOLATION = ("process", "inline")
+# Our reward models as reward functions run inline, never in a forked worker. They are our own code and
+# hold a torch model: inline, it is loaded once and kept, on any device, and scores on every thread. A
+# forked worker loads it again in every call, cannot use CUDA once the trainer has, and inherits torch's
+# OpenMP and MKL state without the threads behind it, which can hang it (see _child and _InlineThread).
+MODEL_FUNCTIONS = ("posttrain.rewards.model:reward_model", "posttrain.rewards.model:reward_ensemble")
 _MIN_SAMPLES_FOR_ABORT = 20  # a failure rate is not judged on fewer samples
 TOKEN_COLUMNS = ("prompt_ids", "completion_ids")  # handed only to functions that name them
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -69,9 +76,10 @@ class RewardSpec:
     or skip (that sample gets None and is counted)."""
     max_failure_rate: float = 0.1
     """Stop the run when more than this share of the samples scored so far failed or timed out."""
-    isolation: str = "process"
-    """process: each call runs in a forked worker that is killed on timeout; inline: in a thread of
-    this process (for reward models: a hung call is abandoned, not killed)."""
+    isolation: str | None = None
+    """process: each call runs in a forked worker that is killed on timeout (torch in it runs on one
+    thread); inline: in a thread of this process (a hung call is abandoned, not killed). null: inline for
+    the reward models of posttrain.rewards.model (which refuse process), process for every other function."""
     retry_after_timeout: bool = False
     """After a batch call times out, score its samples one by one, all within one more ``timeout``, to
     keep the samples that do not hang (process isolation only). Off: every sample of the call gets None."""
@@ -83,12 +91,30 @@ class RewardSpec:
             )
         if self.on_error not in ON_ERROR:
             raise ValueError(f"{name}.on_error must be one of {ON_ERROR}, got {self.on_error!r}")
-        if self.isolation not in ISOLATION:
-            raise ValueError(f"{name}.isolation must be one of {ISOLATION}, got {self.isolation!r}")
+        if self.isolation is not None and self.isolation not in ISOLATION:
+            raise ValueError(f"{name}.isolation must be one of {ISOLATION} or null, got {self.isolation!r}")
         if not 0 < self.timeout < math.inf or not 0 <= self.max_failure_rate <= 1:
             raise ValueError(f"{name}: timeout must be finite and > 0, and max_failure_rate in [0, 1]")
-        if self.retry_after_timeout and self.isolation != "process":
-            raise ValueError(f"{name}.retry_after_timeout needs isolation: process (a hung thread cannot be killed)")
+        if self.retry_after_timeout and self.effective_isolation != "process":
+            raise ValueError(
+                f"{name}.retry_after_timeout needs {name}.isolation: process (a hung thread cannot be killed)"
+            )
+        if self.isolation == "process" and self.function in MODEL_FUNCTIONS:
+            raise ValueError(
+                f"{name}.isolation: process cannot run {self.function}: a worker forked from the trainer can "
+                f"hang in torch (OpenMP and MKL state copied without its threads), would load the model again "
+                f"in every call and cannot use CUDA; leave {name}.isolation unset (inline, its default)"
+            )
+        if self.effective_isolation == "process" and str(self.kwargs.get("device", "cpu")).startswith("cuda"):
+            raise ValueError(  # torch refuses to initialise CUDA again in a child forked after the trainer did
+                f"{name}.isolation: process runs {self.function} in a forked worker, which cannot use CUDA "
+                f"(kwargs.device={self.kwargs['device']}); set {name}.isolation: inline"
+            )
+
+    @property
+    def effective_isolation(self) -> str:
+        """``isolation``, or its default for this function when unset."""
+        return self.isolation or ("inline" if self.function in MODEL_FUNCTIONS else "process")
 
     @property
     def name(self) -> str:
@@ -111,8 +137,38 @@ def load_reward_function(spec: str) -> RewardFunction:
         module = importlib.import_module(target)
     fn = getattr(module, attribute, None)
     if not callable(fn):
-        raise ValueError(f"{spec}: {attribute!r} is not a callable in {target}")
+        defined = sorted(
+            name for name, value in vars(module).items() if inspect.isfunction(value) and not name.startswith("_")
+        )
+        close = difflib.get_close_matches(attribute, defined, n=1)
+        guess = f"did you mean {close[0]}? " if close else ""
+        raise ValueError(
+            f"{spec}: {target} has no function {attribute!r} ({guess}its functions: {', '.join(defined) or 'none'})"
+        )
     return fn
+
+
+def required_columns(fn: RewardFunction, bound: dict | None = None) -> list[str]:
+    """The data columns ``fn`` cannot be called without: its parameters after (prompts, completions)
+    that have no default, are not bound by the spec's ``kwargs``, and are not handed over by posttrain
+    (``prompt_ids``, ``completion_ids``, ``policy_tokenizer``). ``**columns`` takes whatever there is."""
+    handed = {*TOKEN_COLUMNS, "policy_tokenizer", *(bound or {})}
+    params = list(inspect.signature(fn).parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    skipped = {p.name for p in positional[:2]}  # prompts, completions
+    return [
+        p.name
+        for p in params
+        if p.name not in skipped
+        and p.name not in handed
+        and p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+def reward_columns(specs: list[RewardSpec]) -> dict[str, list[str]]:
+    """{reward function name: the data columns it needs} of ``specs`` (``required_columns``)."""
+    return {spec.name: required_columns(load_reward_function(spec.function), spec.kwargs) for spec in specs}
 
 
 @dataclass
@@ -155,6 +211,11 @@ def _returned(result) -> tuple[str, object]:
 
 def _child(conn, fn, prompts, completions, columns) -> None:
     os.setsid()  # a group of its own: a timeout kills the worker and everything it started
+    # Torch on one thread, before any torch op. The trainer has run parallel ops, so its OpenMP runtime
+    # (libgomp, not fork-safe) believes its worker threads exist; fork copies only this thread, and the
+    # child's first parallel op (a matmul, a model load) waits at a barrier for them until the timeout
+    # (pytorch issues 17199, 21956). One thread never starts a team; DataLoader workers do the same.
+    torch.set_num_threads(1)
     try:
         conn.send(_returned(fn(prompts, completions, **columns)))
     except BaseException:
@@ -166,11 +227,14 @@ def _child(conn, fn, prompts, completions, columns) -> None:
 def call_with_timeout(fn, prompts, completions, columns, timeout: float, isolation: str = "process"):
     """("ok", values) | ("bad", what was returned) | ("error", traceback) | ("timeout", None) of one call."""
     if isolation == "inline":
-        box: list = []
-        thread = threading.Thread(target=lambda: box.append(_inline(fn, prompts, completions, columns)), daemon=True)
-        thread.start()
-        thread.join(timeout)
-        return box[0] if box else ("timeout", None)
+        global _inline_thread
+        if _inline_thread is None:
+            _inline_thread = _InlineThread()
+        answer = _inline_thread.run(partial(_inline, fn, prompts, completions, columns), timeout)
+        if answer is None:
+            _inline_thread = None  # it stays in the hung call: the next inline call gets a new thread
+            return ("timeout", None)
+        return answer
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # a forked child must not use tokenizer threads
     sandbox.lease()  # before the fork: the worker's sandboxes use this process's user ids, reaped below
     context = multiprocessing.get_context("fork")
@@ -200,6 +264,36 @@ def call_with_timeout(fn, prompts, completions, columns, timeout: float, isolati
         receiver.close()
 
 
+class _InlineThread:
+    """The thread that runs the inline calls one after another, for the life of the process (a new one
+    only after a call overran its timeout and was left in it).
+
+    Not a thread per call: when a thread that ran torch ops ends, MKL releases its buffers and those of
+    its OpenMP worker, and a worker forked in that moment for the next reward function (isolation:
+    process) can inherit MKL's allocator mid-update and spin in ``mkl_serv_allocate`` forever. Measured:
+    with a thread per call, a hang by the 2nd to 15th call; none with a pause before each fork, and none
+    in 200 calls with this one thread."""
+
+    def __init__(self):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="posttrain-inline-rewards", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, answer, done = self.calls.get()
+            answer.append(call())
+            done.set()
+
+    def run(self, call, timeout: float):
+        """``call()``'s result, or None when it has not returned within ``timeout`` seconds."""
+        answer, done = [], threading.Event()
+        self.calls.put((call, answer, done))
+        return answer[0] if done.wait(timeout) else None
+
+
+_inline_thread: _InlineThread | None = None
+
+
 def _inline(fn, prompts, completions, columns):
     try:
         return _returned(fn(prompts, completions, **columns))
@@ -225,7 +319,8 @@ class RewardComposer:
 
     ``max_unscored_steps``: stop after this many calls in a row in which no function scored any
     sample (every value None: nothing is learned from such a batch), warning before; 0 only warns,
-    None checks nothing (another reward, a reward model, scores every sample)."""
+    None checks nothing (another reward, a reward model, scores every sample). ``warn``: where that
+    warning goes (a trainer prints it on its console; default a ``RuntimeWarning``)."""
 
     def __init__(
         self,
@@ -233,6 +328,7 @@ class RewardComposer:
         specs: list[RewardSpec] | None = None,
         tokenizer=None,
         max_unscored_steps: int | None = 3,
+        warn: Callable[[str], None] | None = None,
     ):
         if not functions:
             raise ValueError("at least one reward function is needed")
@@ -247,19 +343,28 @@ class RewardComposer:
             self.functions.append(_Tracked(name, fn, w, spec, [c for c in TOKEN_COLUMNS if c in wanted]))
         self.max_unscored_steps = max_unscored_steps
         self.unscored_steps = 0
+        self.warn = warn
 
     @classmethod
-    def from_specs(cls, specs: list[RewardSpec], tokenizer=None, max_unscored_steps: int | None = 3) -> RewardComposer:
+    def from_specs(
+        cls,
+        specs: list[RewardSpec],
+        tokenizer=None,
+        max_unscored_steps: int | None = 3,
+        warn: Callable[[str], None] | None = None,
+    ) -> RewardComposer:
         functions = []
         for spec in specs:
             fn = load_reward_function(spec.function)
             functions.append((spec.name, partial(fn, **spec.kwargs) if spec.kwargs else fn, spec.weight))
-        return cls(functions, specs, tokenizer, max_unscored_steps)
+        return cls(functions, specs, tokenizer, max_unscored_steps, warn)
 
     def _scores(self, tracked: _Tracked, prompts, completions, columns) -> list:
         """One function's values; on a timeout or an error, handled as its spec says."""
         spec, B = tracked.spec, len(completions)
-        status, payload = call_with_timeout(tracked.fn, prompts, completions, columns, spec.timeout, spec.isolation)
+        status, payload = call_with_timeout(
+            tracked.fn, prompts, completions, columns, spec.timeout, spec.effective_isolation
+        )
         if status == "bad":
             raise RewardError(
                 f"reward function {tracked.name!r} returned {payload}; it must return a list of {B} floats or None"
@@ -296,7 +401,9 @@ class RewardComposer:
                 values.append(None)
                 continue
             one = {k: [v[b]] for k, v in columns.items()}
-            status, payload = call_with_timeout(tracked.fn, [prompts[b]], [completions[b]], one, left, spec.isolation)
+            status, payload = call_with_timeout(
+                tracked.fn, [prompts[b]], [completions[b]], one, left, spec.effective_isolation
+            )
             if status == "ok" and len(payload) == 1:
                 values.append(payload[0])
                 continue
@@ -358,13 +465,15 @@ class RewardComposer:
                 f"no reward function ({names}) scored any sample in {self.unscored_steps} steps in a row (every "
                 f"value None): nothing is being learned. Check that the data has the columns they need."
             )
-        warnings.warn(
+        message = (
             f"no reward function ({names}) scored any of the {B} samples (every value None): nothing is learned "
             f"from this batch ({self.unscored_steps} in a row; the run stops at max_unscored_steps="
-            f"{self.max_unscored_steps})",
-            RuntimeWarning,
-            stacklevel=3,
+            f"{self.max_unscored_steps})"
         )
+        if self.warn is not None:
+            self.warn(message)
+        else:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def fault_counts(self) -> dict[str, float]:
         out = {}

@@ -16,6 +16,9 @@ GRPO/PPO (which hand the rollout's ``prompt_ids`` / ``completion_ids`` and the `
 - otherwise the ids are decoded with every special token kept (template, EOS) and re-tokenised by the
   reward model's tokenizer, its own BOS/EOS standing in for the policy's.
 
+Both functions run inline, in the trainer process: ``isolation`` unset means inline for them, and
+``process`` is refused (``posttrain.rewards.base.MODEL_FUNCTIONS`` says why).
+
 Called with texts alone, it scores ``prompt + completion`` as given (pass them rendered, with EOS).
 An ensemble vetoes one model's blind spot with the others: ``min``, ``mean``, or ``mean − k·std``
 (a conservative, uncertainty-penalised reward; Coste et al. 2024).

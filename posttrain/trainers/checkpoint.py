@@ -105,11 +105,12 @@ def check_resumable(path: Path, config: dict, total_steps: int) -> None:
 
 def check_finite_weights(accelerator, what: str, state_dicts: dict) -> None:
     """Raise NonFiniteError on every process when a tensor of ``state_dicts`` ({role: state dict}, as
-    ``get_state_dict`` gives them: possibly only on the main process) holds a NaN or inf. Collective."""
+    ``get_state_dict`` gives them: possibly only on the main process, None elsewhere under ZeRO-3) holds a
+    NaN or inf. Collective."""
     bad = [
         f"{role}.{key}"
         for role, state_dict in state_dicts.items()
-        for key, tensor in state_dict.items()
+        for key, tensor in (state_dict or {}).items()
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
     ]
     flag = accelerator.reduce(torch.tensor(float(len(bad)), device=accelerator.device), reduction="sum")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
@@ -72,15 +73,16 @@ class RunConfig:
     epochs: float = 1.0
     """Passes over the training data when max_steps is null."""
     batch_size: int = 8
-    """Examples per optimizer step, all processes together."""
+    """Examples per optimizer step, all processes together; it splits evenly over the processes."""
     micro_batch_size: int = 8
-    """Examples per forward/backward on one process (gradient accumulation fills the rest)."""
+    """Most examples per forward/backward on one process (gradient accumulation fills the rest; any value:
+    the last micro-batch is smaller when it does not divide, and the update is the same for any split)."""
     log_every: int = 1
     """Log metrics every this many steps."""
     eval_every: int | None = None
     """Evaluate on the held-out split every this many steps (and at the end); null = only at the end."""
     save_every: int | None = None
-    """Save a checkpoint every this many steps; null = only the final one."""
+    """Save a resumable checkpoint every this many steps and at the last; null = none (final/ only)."""
     keep_last: int = 2
     """Periodic checkpoints to keep (the oldest are deleted)."""
     resume_from: str | None = None
@@ -90,7 +92,7 @@ class RunConfig:
     max_nonfinite_steps: int = 3
     """Stop the run after this many optimizer updates in a row skipped for a non-finite loss or gradient norm."""
     report_to: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
-    """Metric sinks: jsonl, tensorboard, wandb, mlflow, trackio (the last three when installed)."""
+    """Metric sinks: jsonl, tensorboard, wandb, mlflow, trackio (each needs its package; checked at start)."""
     project: str = "posttrain"
     """The W&B / trackio project and the MLflow experiment the run is logged under."""
     name: str | None = None
@@ -260,15 +262,29 @@ def _parse_value(text: str, where: str):
         raise ValueError(f"{where}: invalid YAML value {text!r}: {err}") from None
 
 
+class UnknownKey(ValueError):
+    """A config key that is not a field: ``where`` is the section ("optim", "rewards[0]"; "" at the top)."""
+
+    def __init__(self, where: str, key: str, allowed: list[str]):
+        self.where, self.key = where, key
+        dotted = f"{where}.{key}" if where else key
+        hint = _did_you_mean(key, allowed)
+        super().__init__(f"unknown config key {dotted!r}{hint}; allowed here: {', '.join(allowed)}")
+
+
+def _did_you_mean(key: str, allowed) -> str:
+    close = difflib.get_close_matches(key, list(allowed), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def from_dict(cls, data: dict, where: str = "", base=None):
     """Build dataclass ``cls`` from a nested dict: ``base`` (default: ``cls``'s own defaults) with the
-    keys of ``data`` replaced. Unknown keys are errors."""
+    keys of ``data`` replaced. Unknown keys are errors (``UnknownKey``)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
-        prefix = f"{where}." if where else ""
-        raise ValueError(f"unknown config key {prefix}{unknown[0]!r}; allowed here: {', '.join(fields)}")
+        raise UnknownKey(where, str(unknown[0]), list(fields))
     kwargs = {
         k: _convert(
             v,
@@ -303,7 +319,8 @@ def apply_override(data: dict, cls, assignment: str) -> None:
         if part not in names:
             prefix = ".".join(parts[:depth])
             raise ValueError(
-                f"unknown config key {key!r}: {prefix + '.' if prefix else ''}{part} is not one of {', '.join(names)}"
+                f"unknown config key {key.strip()!r}: {prefix + '.' if prefix else ''}{part} is not one of "
+                f"{', '.join(names)}{_did_you_mean(part, names)}"
             )
         if depth == len(parts) - 1:
             try:
@@ -314,9 +331,25 @@ def apply_override(data: dict, cls, assignment: str) -> None:
         annotation = typing.get_type_hints(node_cls)[part]
         options = [a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)] or [annotation]
         if not dataclasses.is_dataclass(options[0]):
-            raise ValueError(f"config key {'.'.join(parts[: depth + 1])!r} has no sub-keys")
+            raise ValueError(_no_sub_keys(".".join(parts[: depth + 1]), annotation, parts[depth + 1 :], raw))
         node = node.setdefault(part, {})
         node_cls = options[0]
+
+
+def _no_sub_keys(section: str, annotation, rest: list[str], raw: str) -> str:
+    """What to write instead of ``section.a.b=raw`` when ``section`` is a mapping or a plain value."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    if not any(k is dict or typing.get_origin(k) is dict for k in kinds):
+        return f"config key {section} is a single value, not a section: set {section}=VALUE"
+    value = raw.strip()
+    for key in reversed(rest):
+        value = f"{{{key}: {value}}}"
+    leaf = section.rsplit(".", 1)[-1]
+    where = f" under {section.rsplit('.', 1)[0]}:" if "." in section else ""
+    return (
+        f"config key {section} is a mapping, set as a whole: '{section}={value}' (quoted for the shell), "
+        f"or {leaf}: {value}{where} in the YAML file"
+    )
 
 
 def load_config(cls, path: str | Path | None = None, overrides: list[str] = ()):
@@ -332,9 +365,31 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] = ()):
         data = loaded
     for assignment in overrides:
         apply_override(data, cls, assignment)
-    config = from_dict(cls, data)
+    try:
+        config = from_dict(cls, data)
+    except UnknownKey as err:  # only a file (or a mapping given whole) can hold one: name the file and line
+        line = None if path is None else _key_line(Path(path).read_text(), err.where, err.key)
+        raise ValueError(f"{path}:{line}: {err}" if line else str(err)) from None
     config.validate()
     return config
+
+
+def _key_line(text: str, where: str, key: str) -> int | None:
+    """The 1-based line of ``key`` in section ``where`` ("optim", "rewards[0]") of the YAML ``text``;
+    None when the file does not hold it there (it came from an override)."""
+    node = yaml.compose(text, Loader=_YAMLLoader)
+    path = [int(p) if p.isdigit() else p for p in re.findall(r"[^.\[\]]+", where)] + [key]
+    for part in path:
+        if isinstance(node, yaml.MappingNode):
+            match = [(k, v) for k, v in node.value if k.value == part]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            match = [(node.value[part], node.value[part])]
+        else:
+            return None
+        if not match:
+            return None
+        key_node, node = match[0]
+    return key_node.start_mark.line + 1
 
 
 def _yaml_error(path, err: yaml.YAMLError) -> str:

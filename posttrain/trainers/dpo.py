@@ -8,6 +8,10 @@ reference is a frozen copy of the starting policy, the same weights with the LoR
 separate checkpoint (``reference_path``), or its log-probs are computed once in a pass before
 training (``reference=precompute``) and the reference model is freed. At step 0 the policy is its
 own reference, so the loss starts at log 2.
+
+With ``shared_prefix`` (default auto) a pair is one row, prompt then chosen then rejected
+(``core.packing``): the prompt is computed once in the policy and the reference passes instead of
+twice; log π(y|x) is the same up to float rounding.
 """
 
 from __future__ import annotations
@@ -17,16 +21,17 @@ from functools import partial
 
 import torch
 
-from posttrain.core import DPO_KINDS, dpo_loss, masked_mean, masked_sum
+from posttrain.core import DPO_KINDS, SharedPrefixBatch, dpo_loss, masked_mean, masked_sum, pack_shared_prefix
 from posttrain.data import DataConfig, PreferenceExample, SequenceBatch, collate_preferences, load_preferences
 from posttrain.models import (
     ModelConfig,
     Reference,
-    load_causal_lm,
     load_policy,
     load_tokenizer,
     sequence_logprobs,
+    shared_prefix_logprobs,
 )
+from posttrain.trainers import engines
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -37,6 +42,7 @@ from posttrain.trainers.config import (
 )
 from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
+from posttrain.trainers.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
 
 REFERENCE_MODES = ("auto", "copy", "adapter", "precompute")
 IPO_LOGPS = ("sum", "mean")
@@ -68,12 +74,20 @@ class DPOConfig:
     """auto (adapter-off for LoRA, else copy), copy, adapter, or precompute (one pass, then freed)."""
     reference_path: str | None = None
     """A separate reference checkpoint; null = the starting policy."""
+    shared_prefix: bool | str = "auto"
+    """One row per pair: the prompt once, then the chosen and the rejected response, each attending to
+    the prompt and to itself only (position ids continue from the prompt in both), so the policy and
+    reference passes compute the prompt once instead of twice. auto: when the model takes such a 4-D
+    attention mask exactly (sdpa or eager attention, no sliding window; otherwise the reason is
+    printed) and the packed micro-batch costs fewer FLOPs; true: always (an error if the model
+    cannot); false: never. The loss equals the unpacked one up to float rounding."""
 
     def validate(self) -> None:
         validate_sections(self)
         reject_ignored(self, {"model.device": PLACED_BY_ACCELERATE})
         check_choice("loss_type", self.loss_type, DPO_KINDS)
         check_choice("reference", self.reference, REFERENCE_MODES)
+        check_shared_prefix(self.shared_prefix)
         if self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
@@ -96,7 +110,7 @@ class DPOExample:
 
 @dataclass
 class DPOBatch:
-    sequences: SequenceBatch  # 2B rows: chosen, then rejected
+    sequences: SequenceBatch | SharedPrefixBatch  # 2B rows: chosen, then rejected; or B packed rows
     ref_logps: torch.Tensor | None  # [2B] when precomputed
 
     def to(self, device) -> DPOBatch:
@@ -107,29 +121,45 @@ class DPOBatch:
         return self.sequences.num_tokens
 
 
-def completion_logps(model, sequences: SequenceBatch, average: bool = False) -> torch.Tensor:
-    """log π(y|x) = Σ over completion tokens, [N]; ``average``: that sum / the number of completion tokens."""
-    logprobs = sequence_logprobs(model, sequences.input_ids, sequences.attention_mask)
+def completion_logps(model, sequences: SequenceBatch | SharedPrefixBatch, average: bool = False) -> torch.Tensor:
+    """log π(y|x) = Σ over completion tokens, [2B]: the B chosen, then the B rejected responses;
+    ``average``: that sum / the number of completion tokens."""
     reduce = masked_mean if average else masked_sum
+    if isinstance(sequences, SharedPrefixBatch):
+        logprobs, _, response_mask = shared_prefix_logprobs(model, sequences)  # [2B, T]: (chosen_b, rejected_b)
+        return reduce(logprobs, response_mask, dim=1).view(-1, 2).t().reshape(-1)
+    logprobs = sequence_logprobs(model, sequences.input_ids, sequences.attention_mask)
     return reduce(logprobs, sequences.completion_mask, dim=1)
 
 
 class DPOTask:
-    def __init__(self, reference: Reference | None, pad_id: int, config: DPOConfig):
+    def __init__(self, reference: Reference | None, pad_id: int, config: DPOConfig, shared: SharedPrefix | None = None):
         self.reference, self.pad_id, self.config = reference, pad_id, config
         self.average = config.ipo_logps == "mean"
+        self.shared = shared or SharedPrefix(enabled=False)
+
+    def sequences(self, pairs: list[PreferenceExample]) -> SequenceBatch | SharedPrefixBatch:
+        """B packed rows (prompt, chosen, rejected) when ``shared_prefix`` says so, else 2B padded rows."""
+        padded = max(len(e.prompt_ids) + max(len(e.chosen_ids), len(e.rejected_ids)) for e in pairs)
+        packed = max(len(e.prompt_ids) + len(e.chosen_ids) + len(e.rejected_ids) for e in pairs)
+        if all(e.prompt_ids for e in pairs) and self.shared.pays(2 * len(pairs), padded, len(pairs), packed):
+            return pack_shared_prefix(
+                [e.prompt_ids for e in pairs], [[e.chosen_ids, e.rejected_ids] for e in pairs], self.pad_id
+            )
+        return collate_preferences(pairs, self.pad_id)
 
     def collate(self, examples: list[DPOExample]) -> DPOBatch:
-        sequences = collate_preferences([e.pair for e in examples], self.pad_id)
+        sequences = self.sequences([e.pair for e in examples])
         if examples[0].ref_chosen is None:
             return DPOBatch(sequences, None)
         ref = [e.ref_chosen for e in examples] + [e.ref_rejected for e in examples]
         return DPOBatch(sequences, torch.tensor(ref, dtype=torch.float32))
 
     def count(self, batch: DPOBatch) -> int:
-        return batch.sequences.input_ids.shape[0] // 2
+        rows = batch.sequences.input_ids.shape[0]
+        return rows if isinstance(batch.sequences, SharedPrefixBatch) else rows // 2
 
-    def reference_logps(self, sequences: SequenceBatch) -> torch.Tensor:
+    def reference_logps(self, sequences: SequenceBatch | SharedPrefixBatch) -> torch.Tensor:
         with self.reference.model_for_forward() as ref_model:
             return completion_logps(ref_model, sequences, self.average)
 
@@ -170,24 +200,18 @@ class DPOTask:
         return metrics
 
 
-def build_reference(config: DPOConfig, policy, device) -> Reference:
-    if config.reference_path:
-        model = load_causal_lm(replace(config.model, path=config.reference_path, lora=None, device=str(device)))
-        return Reference(model=model)
-    reference = Reference.from_policy(policy, share=config.reference)
-    if reference.model is not None:
-        reference.model.to(device)
-    return reference
+def build_reference(config: DPOConfig, policy, accelerator) -> Reference:
+    share = "copy" if config.reference == "precompute" else config.reference  # precompute: a copy, for one pass
+    return engines.build_reference(accelerator, policy, config.model, share, config.reference_path)
 
 
-def precompute_reference(forward, examples: list[DPOExample], pad_id: int, micro_batch_size: int, device) -> None:
-    """One pass over ``examples`` storing log π_ref of both responses in each; ``forward(sequences) -> [2B]``."""
+def precompute_reference(forward, examples: list[DPOExample], collate, micro_batch_size: int, device) -> None:
+    """One pass over ``examples`` storing log π_ref of both responses in each; ``collate(pairs)`` lays
+    the pairs out (``DPOTask.sequences``), ``forward(sequences) -> [2B]`` (chosen, then rejected)."""
     for i in range(0, len(examples), micro_batch_size):
         chunk = examples[i : i + micro_batch_size]
         with torch.no_grad():
-            ref_chosen, ref_rejected = (
-                forward(collate_preferences([e.pair for e in chunk], pad_id).to(device)).cpu().chunk(2)
-            )
+            ref_chosen, ref_rejected = forward(collate([e.pair for e in chunk]).to(device)).cpu().chunk(2)
         for e, c, r in zip(chunk, ref_chosen.tolist(), ref_rejected.tolist(), strict=True):
             e.ref_chosen, e.ref_rejected = c, r
 
@@ -205,22 +229,28 @@ def train(config: DPOConfig, callbacks=()) -> dict:
     train_examples, eval_examples = [DPOExample(p) for p in train_pairs], [DPOExample(p) for p in eval_pairs]
     policy = load_policy(replace(config.model, device=str(accelerator.device)))
     task = DPOTask(None, tokenizer.pad_token_id, config)
+    if config.reference_path or config.reference != "precompute" or engines.zero_stage(accelerator) == 3:
+        task.reference = build_reference(config, policy, accelerator)
+    # packed rows run through the policy and a separate reference model alike: both must take them
+    models = [policy] + ([task.reference.model] if task.reference and task.reference.model is not None else [])
+    task.shared = resolve_shared_prefix(config.shared_prefix, models, lambda line: accelerator.print(f"[dpo] {line}"))
     if config.reference == "precompute":
-        if config.reference_path:  # a separate model, loaded for the pass and dropped after it
-            task.reference = build_reference(config, policy, accelerator.device)
-            forward = task.reference_logps
-        else:  # the starting policy is the reference: no copy at all
-            forward = partial(completion_logps, policy, average=task.average)
+        # a separate model (reference_path; or under ZeRO-3, where the policy may be sharded already and only a
+        # prepared engine runs a sharded forward) is loaded for the pass and dropped after it; else the starting
+        # policy is the reference: no copy at all
+        forward = (
+            task.reference_logps
+            if task.reference is not None
+            else partial(completion_logps, policy, average=task.average)
+        )
         precompute_reference(
             forward,
             train_examples + eval_examples,
-            tokenizer.pad_token_id,
+            task.sequences,
             config.run.micro_batch_size,
             accelerator.device,
         )
         task.reference = None
-    else:
-        task.reference = build_reference(config, policy, accelerator.device)
     result = run_offline(
         task,
         Trainable(policy, {"policy": policy}),

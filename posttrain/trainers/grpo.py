@@ -37,10 +37,11 @@ from posttrain.core import (
     shape_rewards,
 )
 from posttrain.data import DataConfig
-from posttrain.models import ModelConfig, Reference, load_policy
+from posttrain.models import ModelConfig, load_policy
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty, unpad
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams, concat_rollouts
+from posttrain.trainers import engines
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -65,9 +66,9 @@ from posttrain.trainers.online import (
     old_logprobs_of,
     policy_logprobs,
     reference_logprobs,
-    sample,
     train_minibatch,
 )
+from posttrain.trainers.prefix import check_shared_prefix, resolve_shared_prefix
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
 REWARD_SCALES = ("group", "batch", "none")
@@ -162,6 +163,12 @@ class GRPOConfig:
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
     max_unscored_steps: int = 3
     """Stop after this many steps in a row in which no reward function scored any sample (0 = never)."""
+    shared_prefix: bool | str = "auto"
+    """Training passes (policy, reference, old log-probs) with the samples of a prompt in one row: the
+    prompt once, then its responses, each attending to the prompt and to itself only. auto: when the
+    model takes such a 4-D attention mask exactly and a micro-batch's packed rows cost fewer FLOPs
+    (rarely with short prompts and long responses: the G responses make one long row, and the
+    dense mask computes attention over all of it); true: always; false: never."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (eval.path or data.eval_fraction) every run.eval_every steps and at the end."""
     alerts: AlertConfig = field(default_factory=AlertConfig)
@@ -188,6 +195,7 @@ class GRPOConfig:
         check_choice("kl_in", self.kl_in, KL_PLACEMENTS)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
         check_choice("reference", self.reference, ("auto", "copy", "adapter"))
+        check_shared_prefix(self.shared_prefix)
         if self.num_generations < 2:
             raise ValueError(f"num_generations must be >= 2 (a group needs two responses), got {self.num_generations}")
         if self.run.batch_size % self.num_generations:
@@ -273,11 +281,17 @@ class GRPOTrainer(OnlineTrainer):
                 "[grpo] warning: sampling.temperature=0 is greedy decoding: the num_generations responses to a "
                 "prompt are identical, every group advantage is 0 and the policy does not learn; use a temperature > 0"
             )
-        self.rewards = RewardComposer.from_specs(config.rewards, self.tokenizer, config.max_unscored_steps)
+        self.rewards = RewardComposer.from_specs(
+            config.rewards, self.tokenizer, config.max_unscored_steps, warn=self.console_warning
+        )
         policy = load_policy(replace(config.model, device="cpu"))
         self.reference = None
         if config.kl_coef > 0:  # kl_coef = 0 loads no reference at all
-            self.reference = Reference.from_policy(policy, share=config.reference)
+            self.reference = engines.build_reference(acc, policy, config.model, config.reference)
+        separate = [self.reference.model] if self.reference is not None and self.reference.model is not None else []
+        self.shared = resolve_shared_prefix(
+            config.shared_prefix, [policy, *separate], lambda x: acc.print(f"[grpo] {x}")
+        )
         updates = self.total_steps * config.num_iterations * config.minibatches
         optimizer, scheduler = build_optimizer(
             [p for p in policy.parameters() if p.requires_grad], config.optim, updates
@@ -285,8 +299,6 @@ class GRPOTrainer(OnlineTrainer):
         model, optimizer = acc.prepare(policy, optimizer)
         acc.register_for_checkpointing(scheduler)
         self.actor = Optimized(model, optimizer, scheduler, NonFiniteGuard(acc, config.run), config.optim.max_grad_norm)
-        if self.reference is not None and self.reference.model is not None:
-            self.reference.model.to(acc.device)
         self.passes = {"old_logprobs": 0, "reference": 0, "policy_train": 0}
         self.start_engine(acc.unwrap_model(model))
 
@@ -299,6 +311,14 @@ class GRPOTrainer(OnlineTrainer):
             acc.print(f"[grpo] step {step + 1}: every sampled group had equal rewards; no update")
             return metrics, None, None
         mask = self.loss_mask(rollout, applicable)
+        if global_sum(acc, mask.sum()) == 0:  # nothing to train on: no update, no policy metrics (not 0s)
+            if global_sum(acc, applicable.sum()) > 0:  # unscored rows were announced by the reward composer
+                self.console_warning(
+                    f"step {step + 1}: every scored response hit max_new_tokens and mask_truncated leaves it out; "
+                    "no update"
+                )
+            metrics.update(self.reward_metrics(scores, applicable))
+            return metrics, rollout, scores
         with timer("old_logprobs"):
             old_logprobs, is_weights, mismatch = old_logprobs_of(
                 acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
@@ -309,7 +329,7 @@ class GRPOTrainer(OnlineTrainer):
         ref_logprobs = kl = None
         if self.reference is not None:
             with timer("reference"):
-                ref_logprobs = reference_logprobs(self.reference, rollout, micro, device)
+                ref_logprobs = reference_logprobs(self.reference, rollout, micro, device, self.shared)
             self.passes["reference"] += 1
             kl = kl_penalty(old_logprobs, ref_logprobs, "k1" if cfg.kl_in == "reward" else cfg.kl_estimator)
             metrics.update(kl_metrics(acc, kl, mask))
@@ -325,6 +345,13 @@ class GRPOTrainer(OnlineTrainer):
         # 6. log
         metrics.update(self.reward_metrics(scores, applicable))
         return metrics, rollout, scores
+
+    def console_warning(self, message: str) -> None:
+        """A warning line on the main process's console, above the progress bar."""
+        if self.accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"[grpo] warning: {message}")
 
     # -- 1-2. rollout and rewards ---------------------------------------------------------------
 
@@ -360,12 +387,8 @@ class GRPOTrainer(OnlineTrainer):
                 break
             tries += 1
             with timer("generate"):
-                rollout, columns = sample(
-                    self.engine,
-                    self.policy,
-                    self.sampler.take_for_process(need_all, self.prompts, self.accelerator),
-                    cfg.sampling,
-                    G,
+                rollout, columns = self.generate(
+                    self.sampler.take_for_process(need_all, self.prompts, self.accelerator), G
                 )
             with timer("reward"):
                 scores, parts = self._score(rollout, columns)
@@ -486,6 +509,8 @@ class GRPOTrainer(OnlineTrainer):
                 cfg.run.micro_batch_size,
                 lambda s, batch=batch, iteration=iteration: loss_fn(batch, s, iteration),
             )
+            if not result:  # no token of this minibatch trains (unscored or masked rows): no update
+                continue
             first = first or result
             stats.add({**result, "grad_norm": grad_norm}, 1.0)
         out = {("policy/" + k if k != "grad_norm" else k): v for k, v in stats.result(acc).items()}
@@ -497,7 +522,7 @@ class GRPOTrainer(OnlineTrainer):
         ``loss_agg``; its stats with ``loss``; the token entropy [b, T] or None) of rows ``s``."""
         cfg = self.config
         logprobs, entropy = policy_logprobs(
-            self.actor.model, batch.rollout, s, self.accelerator.device, with_entropy=with_entropy
+            self.actor.model, batch.rollout, s, self.accelerator.device, with_entropy=with_entropy, shared=self.shared
         )
         self.passes["policy_train"] += 1
         loss, stats = ppo_policy_loss(

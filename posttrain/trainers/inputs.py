@@ -1,54 +1,186 @@
-"""Inputs checked before anything is built: every model, tokenizer and data path exists, the run folder
-holds no other run, and the length limits fit the model's context.
+"""Inputs checked before anything is built: the launch, the batch split, the metric sinks, the reward
+functions, every model, tokenizer and data path, the run folder, and the length limits against the
+model's context.
 
 A trainer calls ``check_inputs(config)`` right after ``config.validate()``, before the accelerator and
-the models; the CLI calls it too, so a bad input ends with one line and exit status 2 instead of a
-traceback minutes later. A path that does not exist locally may still be a Hugging Face Hub id
-(``org/name``): it goes to the Hub loader, or, offline, must already be in the Hub cache.
+the models; the CLI calls it too (``posttrain eval`` as well), so a bad input ends with one line and exit
+status 2 instead of a traceback minutes later.
+
+Model paths: a path that exists is checked as a folder. One that looks local (it starts with ``/``,
+``./``, ``../`` or ``~``, or its first component is a folder here, like ``runs/`` in ``runs/sft``) is
+a missing folder. Anything else is a Hugging Face Hub id (``org/name``): taken from the local Hub cache
+when it is there; with ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set, as transformers then only
+reads the cache, it must be there; online it is looked up on the Hub once (no retries), so an id the
+Hub does not have, or a Hub that cannot be reached, is said at start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib.util
+import inspect
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 from posttrain.models import ModelConfig
+from posttrain.rewards import load_reward_function
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _FINAL = re.compile(r"^(?P<run>.*?)/?final/(?P<role>policy|reward|critic)/?$")
 _PRODUCER = {"policy": "posttrain sft (or dpo, grpo, ppo)", "reward": "posttrain rm", "critic": "posttrain ppo"}
+SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+_WORLD_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 def check_inputs(config) -> None:
-    """Raise FileNotFoundError/ValueError naming the first bad input of a trainer config; cap the
-    length limits at the model's context (printed)."""
-    for name, path, kind in _model_paths(config):
-        _check_model_path(name, path, kind)
+    """Raise FileNotFoundError/ValueError naming the first bad input of a trainer config (or of
+    ``posttrain eval``'s); cap the length limits at the model's context (printed)."""
+    check_launch()
+    run = vars(config).get("run")  # posttrain eval has no run section
+    if run is not None:
+        check_batch_split(config, world_size())
+        check_report_to(run)
+    check_reward_functions(config)
+    for name, path, kind, revision in _model_paths(config):
+        _check_model_path(name, path, kind, revision)
     _check_data_path("data.path", config.data.path)
-    check_run_dir(config.run)
+    evaluation = vars(config).get("eval")
+    if evaluation is not None and evaluation.path:
+        _check_data_path("eval.path", evaluation.path)
+    if run is not None:
+        check_run_dir(run)
     cap_to_context(config)
 
 
+# -- the launch and the batch ------------------------------------------------------------------------
+
+
+def world_size() -> int:
+    """Processes the launcher started: torchrun and accelerate set WORLD_SIZE, mpirun its own
+    variables (the ones accelerate reads); 1 when not launched."""
+    for variable in _WORLD_VARIABLES:
+        if os.environ.get(variable):
+            return int(os.environ[variable])
+    return 1
+
+
+def check_launch() -> None:
+    """Refuse a launch that asked for several CPU processes and got one.
+
+    ``accelerate launch --cpu --num_processes N`` with N > 1 and no mpirun hostfile runs the script
+    once (accelerate's simple launcher: accelerate 1.15 ``launch_command`` → ``simple_launcher``). It
+    sets ACCELERATE_USE_CPU, and MASTER_ADDR/MASTER_PORT because N > 1, but no RANK, LOCAL_RANK or
+    WORLD_SIZE, so the run would train on one process and say so only in its final summary."""
+    env = os.environ
+    asked_for_several = env.get("ACCELERATE_USE_CPU", "").lower() == "true" and bool(env.get("MASTER_ADDR"))
+    if asked_for_several and world_size() == 1 and "LOCAL_RANK" not in env:
+        raise ValueError(
+            "launch: `accelerate launch --cpu --num_processes N` starts one process, not N (accelerate runs "
+            "several CPU processes only through mpirun); start N processes with `torchrun --standalone "
+            "--nproc_per_node N -m posttrain.cli ...`, or `accelerate launch --multi_gpu --num_processes N -m "
+            "posttrain.cli ...` (on a machine without a GPU: N gloo processes)"
+        )
+
+
+def check_batch_split(config, world: int) -> None:
+    """The batch rule of every trainer, checked at start for the launcher's process count and again by
+    the trainers for the accelerator's.
+
+    ``run.batch_size`` (examples per step for SFT, RM and DPO; responses for PPO and GRPO, prompts ×
+    num_generations) splits evenly over the processes; for PPO and GRPO its prompts do, so that each
+    process samples whole groups, and ``minibatches`` is at most the responses of one process.
+    ``run.micro_batch_size`` is the most rows of one forward/backward: a process's share of a step
+    (SFT, RM, DPO) or of a minibatch (PPO, GRPO) is cut into micro-batches of that size, the last one
+    smaller when it does not divide. ``loop.backward_share`` weighs each by its tokens or sequences, so
+    the update is the same for any ``micro_batch_size`` (tests/test_trainers_offline.py)."""
+    run = config.run
+    group = vars(config).get("num_generations")
+    if group is None:  # SFT, RM, DPO
+        if run.batch_size % world:
+            raise ValueError(f"run.batch_size={run.batch_size} must split evenly over the {world} processes")
+        return
+    prompts = run.batch_size // group  # validate(): batch_size is a multiple of num_generations
+    if prompts % world:
+        raise ValueError(
+            f"run.batch_size={run.batch_size} holds {prompts} prompts × num_generations={group}: the prompts "
+            f"must split evenly over the {world} processes"
+        )
+    if config.minibatches > run.batch_size // world:
+        raise ValueError(
+            f"minibatches={config.minibatches} is more than the {run.batch_size // world} responses each of the "
+            f"{world} process(es) holds per step (run.batch_size={run.batch_size})"
+        )
+
+
+def check_report_to(run) -> None:
+    """Every metric sink of ``run.report_to`` has its package installed (it is imported only when the
+    run starts logging, after the models load); one already imported counts."""
+    for sink in run.report_to:
+        package = SINK_PACKAGES.get(sink)
+        if package is not None and sys.modules.get(package) is None and importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f"run.report_to: {sink} needs the {package} package, which is not installed: `pip install "
+                f"{package}`, or leave {sink} out of run.report_to (now [{', '.join(run.report_to)}])"
+            )
+
+
+def check_reward_functions(config) -> None:
+    """Import every reward function of ``rewards`` and ``eval.rewards`` and bind its ``kwargs``: a
+    misspelled module, file or function, or a keyword the function does not take, stops the run before
+    a model loads (the trainers import them only after)."""
+    specs = [(f"rewards[{i}]", spec) for i, spec in enumerate(vars(config).get("rewards") or [])]
+    evaluation = vars(config).get("eval")
+    if evaluation is not None:
+        specs += [(f"eval.rewards[{i}]", spec) for i, spec in enumerate(evaluation.rewards)]
+    for name, spec in specs:
+        try:
+            fn = load_reward_function(spec.function)
+        except (FileNotFoundError, ValueError) as err:
+            raise ValueError(f"{name}.function: {err}") from None
+        except ModuleNotFoundError as err:
+            raise ValueError(
+                f"{name}.function: {spec.function}: no module named {err.name!r} (a reward function is named "
+                "module:function or path/to/file.py:function)"
+            ) from None
+        except Exception as err:  # anything importing someone's module raises: one line, not a traceback
+            raise ValueError(f"{name}.function: importing {spec.function} raised {type(err).__name__}: {err}") from None
+        try:
+            inspect.signature(fn).bind_partial([], [], **spec.kwargs)
+        except TypeError as err:
+            raise ValueError(f"{name}.kwargs: {spec.name}() does not take them: {err}") from None
+
+
+# -- model and data paths ----------------------------------------------------------------------------
+
+
 def _model_paths(config):
-    """(field, path, kind) of every model, tokenizer and reference path a trainer config names."""
+    """(field, path, kind, revision) of every model, tokenizer and reference path a config names."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if isinstance(value, ModelConfig):
-            yield f"{f.name}.path", value.path, "model"
+            yield f"{f.name}.path", value.path, "model", value.revision
             if value.tokenizer_path:
-                yield f"{f.name}.tokenizer_path", value.tokenizer_path, "tokenizer"
+                yield f"{f.name}.tokenizer_path", value.tokenizer_path, "tokenizer", value.revision
         elif f.name in ("reference_path", "normalize_policy") and value:
-            yield f.name, value, "model"
+            yield f.name, value, "model", None
 
 
 def _looks_like_hub_id(path: str) -> bool:
     return bool(_HUB_ID.match(path)) and not path.startswith(".")
 
 
-def _check_model_path(name: str, path: str, kind: str) -> None:
+def _local_first_part(path: str) -> str | None:
+    """The first component of ``path`` when it names a folder here (``runs`` of ``runs/sft``): such a
+    path is a local one even when it could be a Hub id."""
+    first = path.split("/", 1)[0]
+    return first if "/" in path and Path(first).expanduser().is_dir() else None
+
+
+def _check_model_path(name: str, path: str, kind: str, revision: str | None = None) -> None:
     local = Path(path).expanduser()
     if local.is_dir():
         if kind == "model" and not any((local / f).is_file() for f in ("config.json", "adapter_config.json")):
@@ -56,53 +188,112 @@ def _check_model_path(name: str, path: str, kind: str) -> None:
             hint = f"; its final models: {', '.join(f'{path}/final/{r}' for r in finals)}" if finals else ""
             raise FileNotFoundError(f"{name}: {path} is a folder without config.json, not a model{hint}")
         return
-    if _looks_like_hub_id(path):
-        if not _offline() or _in_hub_cache(path):
+    if _looks_like_hub_id(path) and _local_first_part(path) is None:
+        if _in_hub_cache(path, revision):
             return
-        raise FileNotFoundError(
-            f"{name}: {path} is neither a local folder nor a Hub model in the local cache (offline mode)" + _hint(path)
-        )
+        if _offline():
+            raise FileNotFoundError(
+                f"{name}: {path} is neither a local folder nor a Hub model in the local cache (offline mode)"
+                + _hint(path)
+            )
+        problem = _hub_lookup(path, revision)
+        if problem is None:
+            return
+        raise FileNotFoundError(f"{name}: {path} is no local folder, and {problem}")
     raise FileNotFoundError(f"{name}: no {kind} folder at {path}{_hint(path)}")
 
 
 def _hint(path: str) -> str:
+    """Which command writes a missing ``RUN/final/<role>``; else what the nearest existing folder holds."""
     match = _FINAL.match(path)
-    if match is None:
-        return " (build tiny offline models with `posttrain tiny --out DIR`, or train one first)"
-    run, role = match["run"] or ".", match["role"]
-    return f" (`{_PRODUCER[role]}` with run.output_dir={run} writes it when it finishes: run that step first)"
+    if match is not None:
+        run, role = match["run"] or ".", match["role"]
+        return f" (`{_PRODUCER[role]}` with run.output_dir={run} writes it when it finishes: run that step first)"
+    writers = "`posttrain tiny --out DIR` builds tiny offline models, a finished run writes RUN/final/policy"
+    parent = Path(path).expanduser().parent
+    while str(parent) not in (".", parent.anchor) and not parent.is_dir():
+        parent = parent.parent
+    if str(parent) in (".", parent.anchor):
+        return f" ({writers})"
+    held = sorted(p.name for p in parent.iterdir() if p.is_dir() and not p.name.startswith("."))
+    guess = difflib.get_close_matches(Path(path).name, held, n=1)
+    shown = ", ".join(held[:8]) + (", ..." if len(held) > 8 else "") if held else "no folders"
+    local = _local_first_part(path) if _looks_like_hub_id(path) else None
+    why = f"; read as a local path, not a Hub id, since ./{local} is a folder here" if local else ""
+    did_you_mean = f"; did you mean {parent / guess[0]}?" if guess else ""
+    return f" ({parent}/ holds: {shown}{did_you_mean}; {writers}{why})"
 
 
 def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    """Offline mode as huggingface_hub (and so transformers) reads it."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in ("1", "ON", "YES", "TRUE")
 
 
-def _in_hub_cache(repo_id: str) -> bool:
+def _in_hub_cache(repo_id: str, revision: str | None = None) -> bool:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        snapshot_download(repo_id, local_files_only=True)
+        snapshot_download(repo_id, revision=revision, local_files_only=True)
     except (LocalEntryNotFoundError, ValueError):
         return False
     return True
+
+
+def _hub_lookup(repo_id: str, revision: str | None) -> str | None:
+    """None when the Hub has model ``repo_id`` (at ``revision``), else what is wrong: one request, no
+    retries (the loaders retry a missing network for half a minute, then end in a traceback)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        HfApi().model_info(repo_id, revision=revision, timeout=10)
+    except RepositoryNotFoundError:
+        return f"the Hub has no model {repo_id} (a private one needs `hf auth login`)"
+    except RevisionNotFoundError:
+        return f"the Hub model {repo_id} has no revision {revision}"
+    except HfHubHTTPError:  # the Hub answered something else: the loader will say what
+        return None
+    except Exception as err:  # no network, DNS, proxy, timeout: whatever the HTTP stack raises
+        first = str(err).splitlines()[0] if str(err) else ""
+        return (
+            f"the Hub could not be reached to look it up ({type(err).__name__}: {first}); check the path, or set "
+            "HF_HUB_OFFLINE=1 to use only the models in the local Hub cache"
+        )
+    return None
 
 
 def _check_data_path(name: str, path: str) -> None:
     """A local file or folder, or something a Hub dataset id could be (no file suffix)."""
     if Path(path).expanduser().exists():
         return
-    if _looks_like_hub_id(path) and not Path(path).suffix:
+    if _looks_like_hub_id(path) and not Path(path).suffix and _local_first_part(path) is None:
         return
     raise FileNotFoundError(f"{name}: no such file: {path}")
 
 
+RUN_FILES = ("config.yaml", "metrics.jsonl", "final")  # what a run folder holds once a run started in it
+
+
 def check_run_dir(run) -> None:
-    """A fresh run (no ``resume_from``) needs an empty or missing ``output_dir``, or ``overwrite``."""
+    """A fresh run needs an empty or missing ``output_dir``, or ``overwrite``. ``resume_from=latest``
+    that finds no complete checkpoint is a fresh run: a folder holding a run (config.yaml,
+    metrics.jsonl or final/) is then refused, never silently started over (``overwrite`` replaces it)."""
+    from posttrain.trainers.checkpoint import list_checkpoints
+
     out = Path(run.output_dir)
-    if run.resume_from is not None or run.overwrite or not out.is_dir():
+    if run.overwrite or not out.is_dir():
+        return
+    if run.resume_from is not None and (run.resume_from != "latest" or list_checkpoints(out)):
         return
     held = sorted(p.name for p in out.iterdir())
+    if run.resume_from == "latest" and (found := [name for name in RUN_FILES if (out / name).exists()]):
+        raise ValueError(
+            f"run.resume_from=latest: {out} holds a run ({', '.join(found)}) but no checkpoint: nothing to resume "
+            "(a run saves checkpoints with run.save_every; final/ is not resumable). Set run.overwrite=true to "
+            "replace it with a new run from step 0, or choose another run.output_dir"
+        )
     if held:
         raise ValueError(
             f"run.output_dir: {out} already holds a run ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); "

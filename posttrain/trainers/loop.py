@@ -16,7 +16,6 @@ reads exactly the batches an uninterrupted one would (docs/pitfalls.md #13).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -30,6 +29,7 @@ from typing import Any, Protocol
 import torch
 import yaml
 
+from posttrain.trainers import engines
 from posttrain.trainers.checkpoint import (
     CONFIG_FILE,
     NonFiniteError,
@@ -41,7 +41,8 @@ from posttrain.trainers.checkpoint import (
     save_checkpoint,
 )
 from posttrain.trainers.config import OptimConfig, RunConfig, to_dict
-from posttrain.trainers.metrics import MetricsLogger
+from posttrain.trainers.inputs import check_batch_split
+from posttrain.trainers.metrics import MetricsLogger, read_metrics
 
 
 class Task(Protocol):
@@ -90,12 +91,8 @@ def split_train_eval(examples: list, eval_fraction: float, seed: int) -> tuple[l
 
 
 def build_accelerator(run: RunConfig):
-    from accelerate import Accelerator
-
-    # cpu=True on a machine without a GPU is what lets accelerate run several CPU processes (gloo) under torchrun
-    return Accelerator(
-        mixed_precision=run.mixed_precision, step_scheduler_with_optimizer=False, cpu=not torch.cuda.is_available()
-    )
+    """The accelerator of a run: plain, DDP, or DeepSpeed when launched with a ZeRO config (``engines``)."""
+    return engines.build_accelerator(run)
 
 
 def build_optimizer(params, optim: OptimConfig, total_steps: int):
@@ -141,13 +138,13 @@ class Trainable:
     saved: dict[str, torch.nn.Module]
 
 
-def backward_share(accelerator, loss: torch.Tensor, local_units: float, global_units: float) -> float:
+def backward_share(accelerator, model, loss: torch.Tensor, local_units: float, global_units: float) -> float:
     """Back-propagate a micro-batch's ``loss`` — its mean over its ``local_units`` loss units — as its share
     of the mean over all ``global_units`` units of the step (every micro-batch of every process):
 
         ∇ (loss · local_units · world / global_units)
 
-    × world because DDP averages the gradients of the processes. Summed over micro-batches and
+    × world because DDP (and ZeRO) average the gradients of the processes. Summed over micro-batches and
     processes, the gradient is that of the global mean, whatever the split into micro-batches,
     accumulation steps or processes (docs/pitfalls.md #1). The one loss normalisation of every trainer:
     ``run_offline`` (SFT, RM, DPO) and ``online.train_minibatch`` (PPO, GRPO) call it.
@@ -155,7 +152,7 @@ def backward_share(accelerator, loss: torch.Tensor, local_units: float, global_u
     Returns the weight local_units · world / global_units (the micro-batch's weight in the step's means).
     """
     weight = float(local_units) * accelerator.num_processes / max(float(global_units), 1.0)
-    accelerator.backward(loss * weight)
+    engines.backward(accelerator, model, loss * weight)  # ``model``: the prepared one (a DeepSpeed engine steps itself)
     return weight
 
 
@@ -172,7 +169,7 @@ def run_offline(
 ) -> dict:
     """Train ``trainable.model`` on ``task``; returns {"final_metrics", "eval_metrics", "output_dir"}."""
     run: RunConfig = config.run
-    per_process, micro = _per_process_batch(run, accelerator.num_processes)
+    per_process, micro = _per_process_batch(config, accelerator.num_processes)
     schedule = StepSchedule(len(train_examples), run.batch_size, run.seed)
     if schedule.steps_per_epoch < 1:
         raise ValueError(f"run.batch_size={run.batch_size} is larger than the {len(train_examples)} training examples")
@@ -181,6 +178,7 @@ def run_offline(
     optimizer, scheduler = build_optimizer(
         [p for p in trainable.model.parameters() if p.requires_grad], config.optim, total_steps
     )
+    engines.configure(accelerator, micro, per_process // micro, config.optim.max_grad_norm)
     model, optimizer = accelerator.prepare(trainable.model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     saved = {role: (model if m is trainable.model else m) for role, m in trainable.saved.items()}
@@ -210,22 +208,21 @@ def run_offline(
             "epoch": done / schedule.steps_per_epoch,
             "train/nonfinite_skips": guard.skips,
         }
-        if eval_examples and run.eval_every and done % run.eval_every == 0 and done < total_steps:
+        record = dict(metrics)
+        evaluated = bool(eval_examples) and (done == total_steps or bool(run.eval_every) and done % run.eval_every == 0)
+        if evaluated:  # into the step's record, the last step's too: one record per step
             eval_metrics = evaluate_offline(accelerator, task, model, eval_examples, micro)
-            metrics.update(eval_metrics)
-        if done % run.log_every == 0 or done == total_steps:
-            logger.log(done, metrics, bar_keys)
+            record.update(eval_metrics)
+        if done % run.log_every == 0 or done == total_steps or evaluated:
+            logger.log(done, record, bar_keys)
         logger.advance()
-        if run.save_every and done % run.save_every == 0 and done < total_steps:
+        if checkpoint_due(run, done, total_steps):
             save_checkpoint(
                 accelerator, run.output_dir, done, saved, tokenizer, {"epoch": metrics["epoch"]}, run.keep_last
             )
         for callback in callbacks:
-            callback(done, metrics)
+            callback(done, record)
 
-    if eval_examples:
-        eval_metrics = evaluate_offline(accelerator, task, model, eval_examples, micro)
-        logger.log(total_steps, eval_metrics)
     logger.close()
     save_final(accelerator, run.output_dir, saved, tokenizer)
     return {
@@ -237,15 +234,19 @@ def run_offline(
     }
 
 
-def _per_process_batch(run: RunConfig, world: int) -> tuple[int, int]:
-    """(examples per process per step, micro-batch size); a batch that does not split evenly fails here."""
-    if run.batch_size % world or (run.batch_size // world) % min(run.micro_batch_size, run.batch_size // world):
-        raise ValueError(
-            f"run.batch_size={run.batch_size} must split evenly over {world} process(es) and then into "
-            f"micro-batches of run.micro_batch_size={run.micro_batch_size}"
-        )
-    per_process = run.batch_size // world
-    return per_process, min(run.micro_batch_size, per_process)
+def checkpoint_due(run: RunConfig, done: int, total_steps: int) -> bool:
+    """A checkpoint every ``run.save_every`` steps and at the last step (as Hugging Face ``Trainer`` with
+    ``save_strategy="steps"``): a finished run is resumable, so extending it (a larger ``run.max_steps``)
+    continues from its last step instead of training the steps after the last multiple again."""
+    return bool(run.save_every) and (done % run.save_every == 0 or done == total_steps)
+
+
+def _per_process_batch(config, world: int) -> tuple[int, int]:
+    """(examples per process per step, micro-batch size): the batch rule is ``inputs.check_batch_split``;
+    the last micro-batch of a process is smaller when micro_batch_size does not divide its share."""
+    check_batch_split(config, world)
+    per_process = config.run.batch_size // world
+    return per_process, min(config.run.micro_batch_size, per_process)
 
 
 def accumulate_gradients(accelerator, task: Task, model, batches: list) -> tuple[tuple[dict[str, float], int], float]:
@@ -260,9 +261,9 @@ def accumulate_gradients(accelerator, task: Task, model, batches: list) -> tuple
     sums: dict[str, torch.Tensor] = {}
     tokens, step_loss = 0, torch.zeros((), device=device)
     for k, (batch, count) in enumerate(zip(batches, counts, strict=True)):
-        with contextlib.nullcontext() if k == len(batches) - 1 else accelerator.no_sync(model):
+        with engines.micro_batch(accelerator, model, last=k == len(batches) - 1):
             loss_sum, batch_sums = task.loss(model, batch.to(device))
-            weight = backward_share(accelerator, loss_sum / max(count, 1), count, global_count)
+            weight = backward_share(accelerator, model, loss_sum / max(count, 1), count, global_count)
         tokens += batch.num_tokens
         step_loss = step_loss + loss_sum.detach() * weight / max(count, 1)
         for name, value in batch_sums.items():
@@ -273,15 +274,24 @@ def accumulate_gradients(accelerator, task: Task, model, batches: list) -> tuple
 
 
 def evaluate_offline(accelerator, task: Task, model, examples: list, micro: int) -> dict[str, float]:
-    """``eval/<metric>`` of ``task`` on ``examples``, each process scoring every world-th example."""
+    """``eval/<metric>`` of ``task`` on ``examples``, each process scoring every world-th example.
+
+    Under ZeRO-3 every forward gathers shards from every process, so a process with fewer micro-batches
+    than the others runs its missing forwards on a repeated example and counts nothing from them."""
     model.eval()
     sums, count = {}, 0
     mine = examples[accelerator.process_index :: accelerator.num_processes]
+    forwards = math.ceil(len(mine) / micro)
+    if engines.zero_stage(accelerator) == 3:
+        forwards = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / micro)
     with torch.no_grad():
-        for i in range(0, len(mine), micro):
-            batch = task.collate(mine[i : i + micro])
-            count += task.count(batch)
+        for i in range(forwards):
+            chunk = mine[i * micro : (i + 1) * micro]
+            batch = task.collate(chunk or examples[:1])
             _, batch_sums = task.loss(model, batch.to(accelerator.device))
+            if not chunk:
+                continue
+            count += task.count(batch)
             for k, v in batch_sums.items():
                 sums[k] = sums.get(k, 0.0) + v.detach()
     model.train()
@@ -318,8 +328,11 @@ def optimizer_step(
     process: gradients are synchronised) is not finite, ``guard`` skips the update: parameters,
     optimizer state and schedule stay as they were, as if the batch had not been there. Under fp16
     loss scaling the scaler sees every step: it skips non-finite gradients itself (and lowers its
-    scale); the schedule then waits too, and only a non-finite loss is counted.
+    scale); the schedule then waits too, and only a non-finite loss is counted. Under DeepSpeed the
+    engine clips and steps (``engines.deepspeed_step``).
     """
+    if engines.is_deepspeed(accelerator):
+        return engines.deepspeed_step(accelerator, model, scheduler, guard, step, loss)
     params = [p for p in model.parameters() if p.requires_grad]
     if max_norm is None:
         norms = [p.grad.detach().norm() for p in params if p.grad is not None]
@@ -367,28 +380,33 @@ class NonFiniteGuard:
 
 
 def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dict | None, MetricsLogger]:
-    """Clear the run folder (``run.overwrite``) or resume from ``run.resume_from`` (only the run that
-    wrote the checkpoint, see ``checkpoint.check_resumable``; the run's metrics and samples cut back to
-    its step), write the resolved config, open the metric sinks.
+    """Clear the run folder (``run.overwrite`` of a fresh run, or of ``latest`` finding no checkpoint) or
+    resume from ``run.resume_from`` (only the run that wrote the checkpoint, see
+    ``checkpoint.check_resumable``; the run's metrics and samples cut back to its step), write the
+    resolved config, open the metric sinks.
 
     Returns (the checkpoint's trainer state or None, the logger, already advanced to the step resumed).
     """
     run = config.run
     # every process has checked the run folder (inputs.check_run_dir) before the first write to it
     accelerator.wait_for_everyone()
-    if run.overwrite and run.resume_from is None and accelerator.is_main_process:
-        clear_run_dir(run.output_dir)
     state = None
     resume = resolve_resume(run.output_dir, run.resume_from)
+    accelerator.wait_for_everyone()  # every process looked for the checkpoint before one is cleared
+    if run.overwrite and resume is None and accelerator.is_main_process:  # a fresh run (latest found none)
+        clear_run_dir(run.output_dir)
     if run.resume_from == "latest" and resume is None:
         accelerator.print(f"[{run_name}] resume_from=latest: no checkpoint in {run.output_dir}; starting at step 0")
     if resume is not None:
         check_resumable(resume, yaml.safe_load(yaml.safe_dump(to_dict(config))), total_steps)
         state = load_checkpoint(accelerator, resume)
         accelerator.print(f"[{run_name}] resuming from {resume} (step {state['step']} of {total_steps})")
+    elapsed = 0.0
     if accelerator.is_main_process and run.resume_from is not None:
         for name in ("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "eval_samples.jsonl"):
             truncate_records(Path(run.output_dir) / name, 0 if state is None else state["step"])
+        if state is not None and (Path(run.output_dir) / "metrics.jsonl").is_file():
+            elapsed = max((r["time"] for r in read_metrics(run.output_dir) if "time" in r), default=0.0)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_resolved_config(run.output_dir, config)
@@ -402,6 +420,7 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
         run_name=run.name or run_name,
         project=run.project,
         purge_after=None if run.resume_from is None else (0 if state is None else state["step"]),
+        elapsed=elapsed,
     )
     logger.advance(0 if state is None else state["step"])
     return state, logger

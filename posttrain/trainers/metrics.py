@@ -4,10 +4,11 @@ nothing here is global state."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
+
+from posttrain.monitor.records import dumps_record, read_records
 
 
 class MetricsLogger:
@@ -24,6 +25,7 @@ class MetricsLogger:
         run_name: str | None = None,
         purge_after: int | None = None,
         project: str = "posttrain",
+        elapsed: float = 0.0,
     ):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
@@ -31,7 +33,7 @@ class MetricsLogger:
         self._tb = self._wandb = self._mlflow = self._trackio = None
         self._bar = None
         self._shown: dict[str, str] = {}  # the bar keeps a key's last value (eval runs only some steps)
-        self._start = time.perf_counter()
+        self._start = time.perf_counter() - elapsed  # a resumed run's ``time`` continues from its checkpoint's
         if not enabled:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -76,7 +78,7 @@ class MetricsLogger:
         record = {"step": step, "time": round(time.perf_counter() - self._start, 3)}
         record.update({k: (float(v) if v is not None else None) for k, v in metrics.items()})
         if self._file is not None:
-            self._file.write(json.dumps(record, allow_nan=True) + "\n")
+            self._file.write(dumps_record(record) + "\n")  # NaN and inf as null: strict JSON
             self._file.flush()
         for key, value in metrics.items():
             if value is None or not math.isfinite(float(value)):
@@ -123,6 +125,5 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
-    """The records of a run's metrics.jsonl."""
-    path = Path(output_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a run's metrics.jsonl (a null, written for NaN or inf, read as NaN)."""
+    return read_records(Path(output_dir) / "metrics.jsonl")

@@ -21,22 +21,26 @@ from typing import Any
 import torch
 
 from posttrain.core import aggregation_units, masked_whiten, truncated_importance_weights
-from posttrain.data import PromptExample, load_prompts
-from posttrain.models import Reference, load_tokenizer, response_logprobs
+from posttrain.data import PromptExample, check_columns, load_prompts
+from posttrain.models import Reference, load_tokenizer, response_logprobs, shared_prefix_logprobs
 from posttrain.monitor import RunMonitor
+from posttrain.rewards import reward_columns
 from posttrain.rollout import Rollout, RolloutConfig, RolloutEngine, SamplingParams, build_engine
+from posttrain.trainers import engines
 from posttrain.trainers.checkpoint import save_checkpoint
-from posttrain.trainers.inputs import check_inputs
+from posttrain.trainers.inputs import check_batch_split, check_inputs
 from posttrain.trainers.loop import (
     NonFiniteGuard,
     backward_share,
     build_accelerator,
+    checkpoint_due,
     global_sum,
     optimizer_step,
     save_final,
     split_train_eval,
     start_run,
 )
+from posttrain.trainers.prefix import SharedPrefix, packed_rollout_rows, unpack_rows
 
 
 class OnlineTrainer:
@@ -61,30 +65,43 @@ class OnlineTrainer:
         torch.manual_seed(config.run.seed)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
         prompts, report = load_prompts(config.data, self.tokenizer)
+        specs = config.rewards + ([] if config.eval.path else config.eval.rewards)  # eval.path: the evaluator checks
+        check_columns(prompts, reward_columns(specs), config.data.path)  # every column they need, before any model
         self.prompts, self.eval_prompts = split_train_eval(prompts, config.data.eval_fraction, config.run.seed)
         acc.print(f"[{self.name}] prompts: {report.summary()}")
-        world, prompts_per_step = acc.num_processes, config.run.batch_size // config.num_generations
-        if prompts_per_step % world:
-            raise ValueError(f"prompts per step ({prompts_per_step}) must split evenly over {world} processes")
-        self.local_prompts = prompts_per_step // world
-        if config.minibatches > self.local_prompts * config.num_generations:
-            raise ValueError(
-                f"minibatches={config.minibatches} is more than the {self.local_prompts * config.num_generations} "
-                f"responses each of the {world} process(es) holds per step (run.batch_size={config.run.batch_size})"
-            )
+        check_batch_split(config, acc.num_processes)
+        prompts_per_step = config.run.batch_size // config.num_generations
+        self.local_prompts = prompts_per_step // acc.num_processes
         self.total_steps = config.run.max_steps or max(
             1, math.ceil(config.run.epochs * len(self.prompts) / prompts_per_step)
         )
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
+        # the training engine's batch sizes: micro-batches of a minibatch's rows on this process
+        rows = self.local_prompts * config.num_generations // config.minibatches
+        micro = min(config.run.micro_batch_size, rows)
+        engines.configure(acc, micro, math.ceil(rows / micro), config.optim.max_grad_norm)
+        acc.print(f"[{self.name}] training engine: {engines.describe(acc)}")
+        self.shared = SharedPrefix(enabled=False)  # a trainer with ``shared_prefix`` resolves it once its models load
 
     def start_engine(self, policy) -> None:
         """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
+        if engines.zero_stage(self.accelerator) == 3 and self.config.rollout.engine == "vllm":
+            raise ValueError(
+                "rollout.engine=vllm under DeepSpeed ZeRO-3: handing sharded weights to vLLM is not built; "
+                "use rollout.engine=hf or lean, or ZeRO-2 (examples/accelerate/zero2.yaml)"
+            )
         self.policy = policy
         self.accelerator.print(f"[{self.name}] rollout: {self.config.rollout.describe()}")
         self.engine = build_engine(
             self.config.rollout, policy, self.tokenizer, self.config.model.path, self.config.run.seed
         )
         self.monitor = RunMonitor(self.config, self.eval_prompts, self.tokenizer, self.accelerator, *self.SCORE_KEYS)
+
+    def generate(self, prompts: list[PromptExample], n: int) -> tuple[Rollout, dict]:
+        """``sample``: ``n`` responses to each prompt from the current policy. Under ZeRO-3 the policy's
+        shards are gathered for the rollout and released after (``engines.full_parameters``)."""
+        with engines.full_parameters(self.accelerator, self.actor.model):
+            return sample(self.engine, self.policy, prompts, self.config.sampling, n)
 
     # -- what a subclass provides -------------------------------------------------------------------
 
@@ -94,7 +111,7 @@ class OnlineTrainer:
 
     def logprobs_of(self, rollout: Rollout, rows: slice) -> torch.Tensor:
         """The policy's training forward: log-probs [b, T] of the response tokens of ``rows``."""
-        return policy_logprobs(self.actor.model, rollout, rows, self.accelerator.device)[0]
+        return policy_logprobs(self.actor.model, rollout, rows, self.accelerator.device, shared=self.shared)[0]
 
     def models_to_save(self) -> dict[str, torch.nn.Module]:
         return {"policy": self.actor.model}
@@ -129,6 +146,7 @@ class OnlineTrainer:
             if rollout is None:
                 self.logger.log(step + 1, metrics)
                 self.logger.advance()
+                self.save_if_due(step + 1)
                 continue
             with timer("sync_weights"):
                 self.engine.sync_weights(self.policy)
@@ -145,7 +163,7 @@ class OnlineTrainer:
 
     def end_step(self, done: int, metrics: dict, rollout: Rollout, scores, times: dict, callbacks) -> None:
         """The tail of every step: response, time and throughput metrics; ``samples.jsonl``; held-out
-        evaluation and alerts (``RunMonitor``); the log; a checkpoint every ``run.save_every``; callbacks."""
+        evaluation and alerts (``RunMonitor``); the log; a checkpoint when due (``save_if_due``); callbacks."""
         cfg, acc = self.config, self.accelerator
         metrics.update(response_metrics(acc, rollout))
         metrics.update(times)
@@ -157,13 +175,23 @@ class OnlineTrainer:
         if done % cfg.run.log_every == 0 or done == self.total_steps or "time/eval" in metrics:
             self.logger.log(done, metrics, (*self.BAR_KEYS, *self.monitor.bar_keys))
         self.logger.advance()
-        if cfg.run.save_every and done % cfg.run.save_every == 0 and done < self.total_steps:
-            state = self.state()
-            save_checkpoint(
-                acc, cfg.run.output_dir, done, self.models_to_save(), self.tokenizer, state, cfg.run.keep_last
-            )
+        self.save_if_due(done)
         for callback in callbacks:
             callback(done, metrics)
+
+    def save_if_due(self, done: int) -> None:
+        """A checkpoint after step ``done`` when ``loop.checkpoint_due``: every ``run.save_every`` and the last."""
+        cfg = self.config
+        if checkpoint_due(cfg.run, done, self.total_steps):
+            save_checkpoint(
+                self.accelerator,
+                cfg.run.output_dir,
+                done,
+                self.models_to_save(),
+                self.tokenizer,
+                self.state(),
+                cfg.run.keep_last,
+            )
 
 
 # -- the update skeleton ------------------------------------------------------------------------------
@@ -210,16 +238,23 @@ def train_minibatch(
     over every process (``loop.backward_share``, units by ``core.aggregation_units``), gradients
     synchronised on the last micro-batch only. Returns (the stats weighted over micro-batches and
     processes, the gradient norm before clipping).
+
+    A micro-batch without a trained token (GRPO: a group no reward function scored) adds nothing to
+    the stats: its ratio is no 0. A minibatch without any, on every process, is no update at all:
+    returns ({}, nan) without a forward pass or an optimizer step (Adam's momentum would still move
+    the weights on a zero gradient).
     """
+    if global_sum(accelerator, mask.sum()) == 0:
+        return {}, math.nan
     units = global_sum(accelerator, aggregation_units(mask, loss_agg))
     slices = micro_slices(len(mask), micro_batch_size)
     stats, total = StatsAccumulator(), 0.0
     for k, s in enumerate(slices):
-        with contextlib.nullcontext() if k == len(slices) - 1 else accelerator.no_sync(trained.model):
+        with engines.micro_batch(accelerator, trained.model, last=k == len(slices) - 1):
             loss, loss_stats = loss_fn(s)
-            weight = backward_share(accelerator, loss, aggregation_units(mask[s], loss_agg), units)
+            weight = backward_share(accelerator, trained.model, loss, aggregation_units(mask[s], loss_agg), units)
         total = total + (loss * weight).detach()
-        stats.add(loss_stats, weight)
+        stats.add(loss_stats, weight, empty=not bool(mask[s].any()))
     grad_norm = optimizer_step(
         accelerator,
         trained.model,
@@ -338,18 +373,43 @@ def micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def reference_logprobs(reference: Reference, rollout: Rollout, micro_batch_size: int, device) -> torch.Tensor:
-    """log π_ref of the response tokens, [B, T], in micro-batches (no grad)."""
+def reference_logprobs(
+    reference: Reference, rollout: Rollout, micro_batch_size: int, device, shared: SharedPrefix | None = None
+) -> torch.Tensor:
+    """log π_ref of the response tokens, [B, T], in micro-batches (no grad); a micro-batch's samples of
+    one prompt share it in one packed row when ``shared`` says so (``trainers.prefix``)."""
     ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
-    parts = [
-        reference.logprobs(ids[s], mask[s], rollout.response_length, rollout.temperature)
-        for s in micro_slices(len(rollout), micro_batch_size)
-    ]
+    parts = []
+    for s in micro_slices(len(rollout), micro_batch_size):
+        packed = packed_rollout_rows(rollout, s, shared)
+        if packed is None:
+            parts.append(reference.logprobs(ids[s], mask[s], rollout.response_length, rollout.temperature))
+        else:
+            batch, response_of_row = packed
+            logprobs = reference.shared_prefix_logprobs(batch.to(device), rollout.temperature)
+            parts.append(unpack_rows(logprobs, response_of_row, rollout.response_length))
     return torch.cat(parts)
 
 
-def policy_logprobs(model, rollout: Rollout, rows: slice, device, with_entropy: bool = False, entropy_grad=False):
-    """Training forward of the policy on ``rows`` of the rollout at the sampling temperature."""
+def policy_logprobs(
+    model,
+    rollout: Rollout,
+    rows: slice,
+    device,
+    with_entropy: bool = False,
+    entropy_grad=False,
+    shared: SharedPrefix | None = None,
+):
+    """Training forward of the policy on ``rows`` of the rollout at the sampling temperature:
+    (log-probs [b, T], entropy [b, T] or None); packed by prompt when ``shared`` says so."""
+    packed = packed_rollout_rows(rollout, rows, shared)
+    if packed is not None:
+        batch, response_of_row = packed
+        logprobs, entropy, _ = shared_prefix_logprobs(
+            model, batch.to(device), rollout.temperature, with_entropy, entropy_grad
+        )
+        length = rollout.response_length
+        return unpack_rows(logprobs, response_of_row, length), unpack_rows(entropy, response_of_row, length)
     return response_logprobs(
         model,
         rollout.input_ids[rows].to(device),
@@ -440,7 +500,8 @@ def kl_metrics(accelerator, kl: torch.Tensor, mask: torch.Tensor) -> dict[str, f
 
 
 class StatsAccumulator:
-    """Weighted means of detached scalars over micro-batches and processes."""
+    """Weighted means (keys ending in ``_max`` / ``_min``: extremes) of detached scalars over
+    micro-batches and processes. A stat nothing contributed to (every part ``empty``) is NaN, not 0."""
 
     def __init__(self):
         self.sums: dict[str, float] = defaultdict(float)
@@ -448,28 +509,37 @@ class StatsAccumulator:
         self.maxima: dict[str, float] = {}
         self.minima: dict[str, float] = {}
 
-    def add(self, stats: dict[str, torch.Tensor], weight: float) -> None:
+    def add(self, stats: dict[str, torch.Tensor], weight: float, empty: bool = False) -> None:
+        """``empty``: the part had nothing to measure (no valid token); its keys are kept (every process
+        reduces the same keys) but its values are not."""
         for key, value in stats.items():
-            value = float(value)
             if key.endswith("_max"):
-                self.maxima[key] = max(self.maxima.get(key, -float("inf")), value)
+                self.maxima[key] = _extreme(max, self.maxima.get(key, -math.inf), -math.inf if empty else value)
             elif key.endswith("_min"):
-                self.minima[key] = min(self.minima.get(key, float("inf")), value)
+                self.minima[key] = _extreme(min, self.minima.get(key, math.inf), math.inf if empty else value)
             else:
-                self.sums[key] += value * weight
-                self.weights[key] += weight
+                self.sums[key] += 0.0 if empty else float(value) * weight
+                self.weights[key] += 0.0 if empty else weight
 
     def result(self, accelerator, prefix: str = "") -> dict[str, float]:
         out = {}
         for key in sorted(self.sums):
-            out[prefix + key] = global_sum(accelerator, self.sums[key]) / max(
-                global_sum(accelerator, self.weights[key]), 1e-12
-            )
+            weight = global_sum(accelerator, self.weights[key])
+            out[prefix + key] = global_sum(accelerator, self.sums[key]) / weight if weight > 0 else math.nan
+        device = accelerator.device
         for key, value in self.maxima.items():
-            out[prefix + key] = float(accelerator.gather(torch.tensor([value], device=accelerator.device)).max())
+            high = float(accelerator.gather(torch.tensor([value], device=device)).max())
+            out[prefix + key] = math.nan if high == -math.inf else high
         for key, value in self.minima.items():
-            out[prefix + key] = float(accelerator.gather(torch.tensor([value], device=accelerator.device)).min())
+            low = float(accelerator.gather(torch.tensor([value], device=device)).min())
+            out[prefix + key] = math.nan if low == math.inf else low
         return out
+
+
+def _extreme(pick, current: float, value) -> float:
+    """``pick`` (max or min) of two numbers, NaN when either is: a NaN ratio must show, not vanish."""
+    value = float(value)
+    return math.nan if math.isnan(current) or math.isnan(value) else pick(current, value)
 
 
 def advantage_metrics(accelerator, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

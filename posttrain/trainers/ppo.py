@@ -40,10 +40,11 @@ from posttrain.core import (
     shape_rewards,
 )
 from posttrain.data import DataConfig
-from posttrain.models import ModelConfig, Reference, load_policy, load_reward_model, sequence_scores
+from posttrain.models import ModelConfig, load_policy, load_reward_model, sequence_scores
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, unpad
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams
+from posttrain.trainers import engines
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -66,7 +67,6 @@ from posttrain.trainers.online import (
     minibatches,
     old_logprobs_of,
     reference_logprobs,
-    sample,
     train_minibatch,
 )
 
@@ -198,14 +198,14 @@ class PPOTrainer(OnlineTrainer):
         acc, self.kl_coef = self.accelerator, config.kl_coef
         # the four roles: policy (and critic), reference, reward model and/or reward functions
         policy = load_policy(replace(config.model, device="cpu"))
-        self.reference = Reference.from_policy(policy, share=config.reference)
-        if self.reference.model is not None:
-            self.reference.model.to(config.reference_device or acc.device)
+        self.reference = engines.build_reference(
+            acc, policy, config.model, config.reference, device=config.reference_device
+        )
         self.reward_model = None
-        if config.reward_model is not None:
-            self.reward_model = load_reward_model(
-                replace(config.reward_model, device=config.reward_device or str(acc.device))
-            )
+        if config.reward_model is not None:  # ZeRO-3: loaded on the CPU, then sharded by prepare_frozen
+            device = "cpu" if engines.zero_stage(acc) == 3 else config.reward_device or str(acc.device)
+            reward_model = load_reward_model(replace(config.reward_model, device=device))
+            self.reward_model = engines.prepare_frozen(acc, reward_model, config.reward_device)
         self.reward_functions = None
         if config.rewards:  # with a reward model every sample is scored: no unscored-steps stop
             unscored = None if config.reward_model else config.max_unscored_steps
@@ -220,7 +220,7 @@ class PPOTrainer(OnlineTrainer):
         # 1. rollout, keeping the old log-probs
         with timer("generate"):
             prompts = self.sampler.take_for_process(self.local_prompts, self.prompts, acc)
-            rollout, columns = sample(self.engine, self.policy, prompts, cfg.sampling, cfg.num_generations)
+            rollout, columns = self.generate(prompts, cfg.num_generations)
         mask = rollout.response_mask
         with timer("old_logprobs"):
             old_logprobs, is_weights, metrics = old_logprobs_of(

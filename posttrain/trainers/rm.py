@@ -8,6 +8,10 @@ is a ranking of K = 2 (Bradley–Terry). Optional reward centering (Eisenstein e
 normalised so that scores of samples from a reference policy have mean 0 and std 1; the mean and std
 are stored in the checkpoint's config.json (``reward_normalization``) and applied by
 ``posttrain.models.sequence_scores``.
+
+With ``shared_prefix`` (default auto) a ranking is one row, the prompt then its K responses
+(``core.packing``): the prompt is computed once instead of K times, each score read at its response's
+last token; the scores are the same up to float rounding.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from posttrain.core import ranking_loss, ranking_pairs
+from posttrain.core import SharedPrefixBatch, pack_shared_prefix, ranking_loss, ranking_pairs
 from posttrain.data import (
     DataConfig,
     RankingExample,
@@ -47,6 +51,7 @@ from posttrain.trainers.config import (
 )
 from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, save_final, split_train_eval
+from posttrain.trainers.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
 
 DATA_FORMATS = ("auto", "pairs", "rankings")
 
@@ -76,6 +81,13 @@ class RMConfig:
     """How many policy samples the normalisation uses."""
     normalize_max_new_tokens: int = 64
     """Length limit of those samples."""
+    shared_prefix: bool | str = "auto"
+    """One row per ranking: the prompt once, then its K responses, each attending to the prompt and to
+    itself only (position ids continue from the prompt in each), its score read at its own last
+    token: the prompt is computed once instead of K times. auto: when the model takes such a 4-D
+    attention mask exactly (sdpa or eager attention, no sliding window; otherwise the reason is
+    printed) and the packed micro-batch costs fewer FLOPs; true: always (an error if the model
+    cannot); false: never. Scores equal the unpacked ones up to float rounding."""
 
     def validate(self) -> None:
         validate_sections(self)
@@ -86,6 +98,7 @@ class RMConfig:
             },
         )
         check_choice("data_format", self.data_format, DATA_FORMATS)
+        check_shared_prefix(self.shared_prefix)
         if self.center_coef < 0:
             raise ValueError(f"center_coef must be >= 0, got {self.center_coef}")
         if self.normalize_policy and self.model.lora is not None:
@@ -99,7 +112,8 @@ class RMConfig:
 
 @dataclass
 class RankingBatch:
-    sequences: SequenceBatch  # Σ K_b rows: the responses of ranking b, best first, then those of b + 1
+    # Σ K_b rows: the responses of ranking b, best first, then those of b + 1; or one packed row per ranking
+    sequences: SequenceBatch | SharedPrefixBatch
     ks: list[int]  # K of each ranking
 
     def to(self, device) -> RankingBatch:
@@ -111,19 +125,31 @@ class RankingBatch:
 
 
 class RMTask:
-    def __init__(self, pad_id: int, margin: float, center_coef: float):
+    def __init__(self, pad_id: int, margin: float, center_coef: float, shared: SharedPrefix | None = None):
         self.pad_id, self.margin, self.center_coef = pad_id, margin, center_coef
+        self.shared = shared or SharedPrefix(enabled=False)
 
     def collate(self, examples: list[RankingExample]) -> RankingBatch:
+        ks = [len(e.response_ids) for e in examples]
+        padded = max(len(e.prompt_ids) + max(map(len, e.response_ids)) for e in examples)
+        packed = max(len(e.prompt_ids) + sum(map(len, e.response_ids)) for e in examples)
+        if all(e.prompt_ids for e in examples) and self.shared.pays(sum(ks), padded, len(examples), packed):
+            sequences = pack_shared_prefix(
+                [e.prompt_ids for e in examples], [e.response_ids for e in examples], self.pad_id
+            )
+            return RankingBatch(sequences, ks)
         pairs = [(e.prompt_ids, r) for e in examples for r in e.response_ids]
-        return RankingBatch(collate(pairs, self.pad_id), [len(e.response_ids) for e in examples])
+        return RankingBatch(collate(pairs, self.pad_id), ks)
 
     def count(self, batch: RankingBatch) -> int:
         return len(batch.ks)
 
     def loss(self, model, batch: RankingBatch):
         """One forward over every response of the batch; then the rankings of each K at once, [R_K, K]."""
-        scores = model(batch.sequences.input_ids, batch.sequences.attention_mask)  # a RewardScorer
+        if isinstance(batch.sequences, SharedPrefixBatch):  # model: a RewardScorer
+            scores = model(packed=batch.sequences)  # [Σ K_b], in the same order
+        else:
+            scores = model(batch.sequences.input_ids, batch.sequences.attention_mask)
         starts = torch.tensor([0, *batch.ks[:-1]], device=scores.device).cumsum(0)
         ks = torch.tensor(batch.ks, device=scores.device)
         loss_sum = scores.new_zeros(())
@@ -189,7 +215,8 @@ def train(config: RMConfig, callbacks=()) -> dict:
         )
         model.peft_config["default"].base_model_name_or_path = adapter_base(config.model.path)
     scorer = RewardScorer(model)  # trained through its forward: DDP synchronises its gradients
-    task = RMTask(tokenizer.pad_token_id, config.margin, config.center_coef)
+    shared = resolve_shared_prefix(config.shared_prefix, [model], lambda line: accelerator.print(f"[rm] {line}"))
+    task = RMTask(tokenizer.pad_token_id, config.margin, config.center_coef, shared)
     result = run_offline(
         task,
         Trainable(scorer, {"reward": scorer}),

@@ -119,3 +119,35 @@ def test_cli_reports_yaml_errors_in_one_line_and_exits_2(tmp_path):
     assert f"{path}:4: invalid YAML: " in out.stderr and "Traceback" not in out.stderr
     bad = subprocess.run([sys.executable, "-m", "posttrain.cli", "sft", "optim.lr=[1,"], capture_output=True, text=True)
     assert bad.returncode == 2 and "optim.lr=[1," in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_an_unknown_key_in_a_file_names_file_line_and_the_key_it_resembles(tmp_path):
+    """Newuser #26: a typo inside a YAML file gave "unknown config key optim.'warmup_step'" (the quote in
+    the middle), without the file, the line or the key meant."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  path: m\noptim:\n  lr: 1.0e-4\n  warmup_step: 3\n")
+    with pytest.raises(ValueError) as caught:
+        load_config(_config_class("sft"), path, ["data.path=d.jsonl"])
+    assert str(caught.value).startswith(
+        f"{path}:5: unknown config key 'optim.warmup_step' (did you mean warmup_steps?); allowed here: lr, "
+    )
+    grpo = tmp_path / "g.yaml"
+    grpo.write_text("rewards:\n  - function: a:b\n    wieght: 2\n")
+    with pytest.raises(
+        ValueError, match=rf"^{grpo}:3: unknown config key 'rewards\[0\].wieght' \(did you mean weight\?\)"
+    ):
+        load_config(_config_class("grpo"), grpo, REQUIRED["grpo"][:2])
+
+
+def test_a_sub_key_of_a_mapping_says_how_to_set_the_mapping():
+    """Newuser #5: model.lora.r=8 said only "config key 'model.lora' has no sub-keys"."""
+    with pytest.raises(ValueError) as caught:
+        load_config(_config_class("sft"), None, [*REQUIRED["sft"], "model.lora.r=8"])
+    assert str(caught.value) == (
+        "config key model.lora is a mapping, set as a whole: 'model.lora={r: 8}' (quoted for the shell), "
+        "or lora: {r: 8} under model: in the YAML file"
+    )
+    config = load_config(_config_class("sft"), None, [*REQUIRED["sft"], "model.lora={r: 8}"])
+    assert config.model.lora == {"r": 8}  # what the message says works
+    with pytest.raises(ValueError, match="^config key run.seed is a single value, not a section: set run.seed=VALUE$"):
+        load_config(_config_class("sft"), None, [*REQUIRED["sft"], "run.seed.x=1"])

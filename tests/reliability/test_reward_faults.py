@@ -143,36 +143,90 @@ def test_a_reward_that_never_applies_warns_then_stops():
             unchecked(["p"] * 2, ["c"] * 2, {})
 
 
-def test_grpo_with_a_never_applicable_reward_logs_nan_and_stops(tiny_dir, tmp_path):
-    """Item 14 (trainer): reward/mean was logged as 0.0 and the run ended with exit 0."""
+SOMETIMES = """
+def never(prompts, completions, **columns):
+    return [None] * len(completions)
+
+def where_answered(prompts, completions, answer, **columns):
+    return [None if a is None else float(c == a) for c, a in zip(completions, answer, strict=True)]
+"""
+
+
+def _grpo_config(tiny_dir, tmp_path, reward: str, prompts: list[dict], *overrides):
     from posttrain.trainers.config import load_config
     from posttrain.trainers.grpo import GRPOConfig
+
+    (tmp_path / "rewards.py").write_text(SOMETIMES)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    base = [
+        f"model.path={tiny_dir / 'policy'}",
+        f"data.path={tmp_path / 'prompts.jsonl'}",
+        "data.chat_template=never",
+        f"run.output_dir={tmp_path / 'run'}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        f"rewards=[{{function: '{tmp_path / 'rewards.py'}:{reward}'}}]",
+        "sampling.max_new_tokens=3",
+        "kl_coef=0",
+    ]
+    return load_config(GRPOConfig, None, base + list(overrides))
+
+
+def test_grpo_with_a_never_applicable_reward_logs_nan_and_stops(tiny_dir, tmp_path, capsys):
+    """Item 14 (trainer): reward/mean was logged as 0.0 and the run ended with exit 0. The warning is a
+    console line (new-user finding 15: as a Python warning it went to stderr, into the progress bar)."""
     from posttrain.trainers.grpo import train as train_grpo
     from posttrain.trainers.metrics import read_metrics
 
-    never = "def never(prompts, completions, **columns):\n    return [None] * len(completions)\n"
-    (tmp_path / "never.py").write_text(never)
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(8)))
-    config = load_config(
-        GRPOConfig,
-        None,
-        [
-            f"model.path={tiny_dir / 'policy'}",
-            f"data.path={tmp_path / 'prompts.jsonl'}",
-            "data.chat_template=never",
-            f"run.output_dir={tmp_path / 'run'}",
-            "run.progress=false",
-            "run.report_to=[jsonl]",
-            f"rewards=[{{function: '{tmp_path / 'never.py'}:never'}}]",
-            "sampling.max_new_tokens=3",
-            "num_generations=2",
-            "run.batch_size=4",
-            "run.max_steps=5",
-            "kl_coef=0",
-            "max_unscored_steps=2",
-        ],
-    )
-    with pytest.warns(RuntimeWarning, match="scored any"), pytest.raises(RewardError, match="2 steps in a row"):
+    prompts = [{"prompt": f"{i}+1="} for i in range(8)]
+    overrides = ("num_generations=2", "run.batch_size=4", "run.max_steps=5", "max_unscored_steps=2")
+    config = _grpo_config(tiny_dir, tmp_path, "never", prompts, *overrides)
+    with pytest.raises(RewardError, match="2 steps in a row"):
         train_grpo(config)
+    warned = "[grpo] warning: no reward function (never) scored any of the 4 samples (every value None): nothing"
+    assert warned in capsys.readouterr().out
     first = read_metrics(config.run.output_dir)[0]
     assert math.isnan(first["reward/mean"]) and first["reward/applicable_share"] == 0.0
+
+
+def test_a_grpo_step_nothing_scored_trains_nothing_and_raises_no_false_alert(tiny_dir, tmp_path, capsys):
+    """New-user finding 15: a step no reward function scored raised alert 4 (first-minibatch ratio [0, 0],
+    "a bug") and alert 11 (non-finite reward), and logged the ratio, loss and entropy as 0.0. Nothing
+    trains on such a step: no update, no policy metrics, reward/mean NaN with reward/applicable_share 0."""
+    from safetensors.torch import load_file
+
+    from posttrain.monitor.alerts import read_alerts
+    from posttrain.trainers.grpo import train as train_grpo
+    from posttrain.trainers.metrics import read_metrics
+
+    prompts = [{"prompt": f"{i}+1="} for i in range(8)]
+    overrides = ("num_generations=2", "run.batch_size=4", "run.max_steps=2", "max_unscored_steps=0")
+    config = _grpo_config(tiny_dir, tmp_path, "never", prompts, *overrides, "optim.weight_decay=0.1")
+    train_grpo(config)
+    assert capsys.readouterr().out.count("[grpo] warning: no reward function (never) scored any") == 2
+    assert read_alerts(config.run.output_dir) == []
+    for record in read_metrics(config.run.output_dir):
+        assert math.isnan(record["reward/mean"]) and record["reward/applicable_share"] == 0
+        assert not [k for k in record if k.startswith("policy/") or k in ("entropy", "grad_norm")], record
+    before = load_file(tiny_dir / "policy" / "model.safetensors")
+    after = load_file(tmp_path / "run" / "final" / "policy" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no update (weight decay would move them)
+
+
+def test_a_micro_batch_of_unscored_rows_leaves_the_first_minibatch_ratio_at_one(tiny_dir, tmp_path):
+    """New-user finding 15, partial: a group no function scored, alone in its micro-batch (the default
+    micro_batch_size = num_generations = 8 puts one group in each), set the step's ratio_min to 0 and
+    raised alert 4 on a mixed data set where a reward applies to some prompts only."""
+    from posttrain.monitor.alerts import read_alerts
+    from posttrain.trainers.grpo import train as train_grpo
+    from posttrain.trainers.metrics import read_metrics
+
+    prompts = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "hello"}]
+    overrides = ("num_generations=4", "run.batch_size=8", "run.micro_batch_size=4", "run.max_steps=1")
+    config = _grpo_config(tiny_dir, tmp_path, "where_answered", prompts, *overrides)
+    train_grpo(config)
+    (record,) = read_metrics(config.run.output_dir)
+    assert record["reward/applicable_share"] == 0.5
+    for key in ("policy/first_minibatch_ratio_min", "policy/first_minibatch_ratio_max", "policy/ratio_min"):
+        assert abs(record[key] - 1) < 1e-5, (key, record[key])
+    assert not [a for a in read_alerts(config.run.output_dir) if a["id"] in (4, 11)]

@@ -5,8 +5,11 @@ the records of the steps after the checkpoint are cut before the resumed run wri
 import json
 
 import pytest
+import torch
 from helpers import crash_at
+from safetensors.torch import load_file
 
+from posttrain.cli import main
 from posttrain.data.synthetic import arithmetic_sft
 from posttrain.trainers import checkpoint
 from posttrain.trainers.config import load_config
@@ -18,6 +21,10 @@ COMMON = ["run.batch_size=8", "run.micro_batch_size=8", "run.save_every=2", "run
 
 
 def _config(tiny_dir, tmp_path, *overrides):
+    return load_config(SFTConfig, None, _overrides(tiny_dir, tmp_path, *overrides))
+
+
+def _overrides(tiny_dir, tmp_path, *overrides) -> list[str]:
     data = tmp_path / "sft.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_sft(32, seed=0)))
@@ -30,18 +37,18 @@ def _config(tiny_dir, tmp_path, *overrides):
         "data.chat_template=never",
         "optim.lr=1e-3",
     ]
-    return load_config(SFTConfig, None, base + COMMON + list(overrides))
+    return base + COMMON + list(overrides)
 
 
 def test_a_fresh_run_refuses_a_folder_holding_a_run_and_overwrite_clears_it(tiny_dir, tmp_path):
     """Item 5: a fresh run into a finished run's folder mixed the two (and resume then loaded the other's
     checkpoint)."""
     train_sft(_config(tiny_dir, tmp_path, "run.max_steps=4", "run.seed=1"))
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == ["step-000002"]
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == ["step-000002", "step-000004"]
     with pytest.raises(ValueError, match=r"run.output_dir: .* already holds a run .*run.overwrite=true"):
         train_sft(_config(tiny_dir, tmp_path, "run.max_steps=2"))
     train_sft(_config(tiny_dir, tmp_path, "run.max_steps=3", "run.overwrite=true"))
-    assert checkpoint.list_checkpoints(tmp_path / "run")[-1].name == "step-000002"
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == ["step-000002", "step-000003"]
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]  # nothing of the first run
 
 
@@ -74,6 +81,66 @@ def test_resume_past_max_steps_is_refused_and_latest_without_checkpoint_says_so(
     assert f"resume_from=latest: no checkpoint in {tmp_path / 'empty'}; starting at step 0" in capsys.readouterr().out
 
 
+def test_latest_without_a_checkpoint_refuses_a_folder_holding_a_run_unless_overwrite(tiny_dir, tmp_path):
+    """New-user finding 18: ``resume_from=latest`` on a finished run that saved no checkpoint (the default
+    ``save_every=null``) started a new run at step 0 with any config and replaced the old one's
+    config.yaml, metrics and final model."""
+    train_sft(_config(tiny_dir, tmp_path, "run.max_steps=2", "run.save_every=null"))
+    held = {name: (tmp_path / "run" / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
+    weights = (tmp_path / "run" / "final" / "policy" / "model.safetensors").read_bytes()
+    changed = ("run.max_steps=2", "run.save_every=null", "run.resume_from=latest", "optim.lr=1e-4")
+    with pytest.raises(ValueError, match=r"holds a run .* but no checkpoint: nothing to resume.*run.overwrite=true"):
+        train_sft(_config(tiny_dir, tmp_path, *changed))
+    with pytest.raises(SystemExit) as exit_:  # the CLI: one line, exit 2, before anything loads
+        main(["sft", *_overrides(tiny_dir, tmp_path, *changed)])
+    assert exit_.value.code == 2
+    assert {name: (tmp_path / "run" / name).read_bytes() for name in held} == held
+    assert (tmp_path / "run" / "final" / "policy" / "model.safetensors").read_bytes() == weights
+    # a folder with only a metrics file or only a final model holds a run too
+    (tmp_path / "run" / "config.yaml").unlink()
+    with pytest.raises(ValueError, match="nothing to resume"):
+        train_sft(_config(tiny_dir, tmp_path, *changed))
+    # run.overwrite=true: the old run goes, the new one starts at step 0
+    (tmp_path / "run" / "config.yaml").write_bytes(held["config.yaml"])
+    train_sft(_config(tiny_dir, tmp_path, *changed[1:], "run.max_steps=3", "run.overwrite=true"))
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    assert "lr: 0.0001" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_latest_without_a_checkpoint_refuses_a_folder_of_other_files(tiny_dir, tmp_path):
+    """With no checkpoint, ``latest`` starts a fresh run, under a fresh run's rule: an empty or new folder."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"run.output_dir: .* already holds"):
+        train_sft(_config(tiny_dir, tmp_path, "run.max_steps=1", "run.resume_from=latest"))
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+def test_a_finished_run_extended_continues_exactly_from_its_last_step(tiny_dir, tmp_path, capsys):
+    """New-user finding 19: the last step wrote no checkpoint even when save_every divided max_steps, so
+    extending a finished run (a larger run.max_steps) resumed from an earlier checkpoint and trained its
+    last steps again. As Hugging Face Trainer with save_strategy="steps", the last step saves too."""
+    constant = ("optim.scheduler=constant", "optim.warmup_steps=0")  # the same lr whatever max_steps is
+    straight = _config(tiny_dir, tmp_path, *constant, "run.max_steps=6", f"run.output_dir={tmp_path / 'straight'}")
+    train_sft(straight)
+    train_sft(_config(tiny_dir, tmp_path, *constant, "run.max_steps=5"))
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == [
+        "step-000002",
+        "step-000004",
+        "step-000005",
+    ]
+    capsys.readouterr()
+    train_sft(_config(tiny_dir, tmp_path, *constant, "run.max_steps=6", "run.resume_from=latest"))
+    assert f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step-000005'} (step 5 of 6)" in capsys.readouterr().out
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records] == [r["loss"] for r in read_metrics(tmp_path / "straight")]
+    assert records[-1]["time"] >= records[-2]["time"]  # the run's clock continues from the checkpoint's step
+    a = load_file(tmp_path / "straight" / "final" / "policy" / "model.safetensors")
+    b = load_file(tmp_path / "run" / "final" / "policy" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resume_cuts_the_records_written_after_the_checkpoint(tiny_dir, tmp_path):
     """Item 6: the steps between the checkpoint and the crash appeared twice in metrics.jsonl."""
     with pytest.raises(KeyboardInterrupt):
@@ -90,7 +157,7 @@ def test_resume_cuts_the_records_written_after_the_checkpoint(tiny_dir, tmp_path
 
 
 def test_a_checkpoint_records_the_config_that_wrote_it(tiny_dir, tmp_path):
-    train_sft(_config(tiny_dir, tmp_path, "run.max_steps=3"))
+    train_sft(_config(tiny_dir, tmp_path, "run.max_steps=2"))
     (ckpt,) = checkpoint.list_checkpoints(tmp_path / "run")
     state = json.loads((ckpt / checkpoint.STATE_FILE).read_text())
     assert (ckpt / checkpoint.CONFIG_FILE).read_text() == (tmp_path / "run" / "config.yaml").read_text()
