@@ -94,9 +94,12 @@ def _merge(adapter_dir: Path, out: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from posttrain.models import peft_wrapping
+
     base_path = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto")
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    with peft_wrapping():
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out)
 

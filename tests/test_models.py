@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import hashlib
+import warnings
 
 import pytest
 import torch
@@ -303,7 +304,13 @@ def test_loaded_policy_checkpoints_gradients(tiny_dir, tmp_path, kind):
     if kind == "trained_adapter":
         load_policy(ModelConfig(path=path, lora=LORA)).save_pretrained(tmp_path / "adapter")
         path = str(tmp_path / "adapter")
-    policy = load_policy(ModelConfig(path=path, lora=LORA if kind == "new_lora" else None, gradient_checkpointing=True))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        policy = load_policy(
+            ModelConfig(path=path, lora=LORA if kind == "new_lora" else None, gradient_checkpointing=True)
+        )
+    # no transformers deprecation warning about checkpointing, ours or peft's (new-user finding 14)
+    assert not [w for w in seen if issubclass(w.category, FutureWarning) and "checkpointing" in str(w.message)]
     calls = []
     attention = next(m for n, m in policy.named_modules() if n.endswith("layers.0.self_attn"))
     attention.register_forward_hook(lambda module, inputs, output: calls.append(1))

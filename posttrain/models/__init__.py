@@ -7,6 +7,7 @@ from posttrain.models.loading import (
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
+    peft_wrapping,
 )
 from posttrain.models.roles import (
     CRITIC_INITS,
@@ -29,6 +30,7 @@ from posttrain.models.roles import (
 )
 
 __all__ = [
+    "peft_wrapping",
     "CRITIC_INITS",
     "ModelConfig",
     "PolicyWithValueHead",

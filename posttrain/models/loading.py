@@ -11,6 +11,9 @@ themselves to eval mode.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +111,15 @@ def load_tokenizer(path: str, revision: str | None = None, trust_remote_code: bo
     return tokenizer
 
 
+@contextlib.contextmanager
+def peft_wrapping() -> Iterator[None]:
+    """Around peft's model wrapping: peft reads transformers' deprecated ``is_gradient_checkpointing``
+    when it wraps a model, a FutureWarning about peft's code that no posttrain user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def _from_pretrained(auto_class, config: ModelConfig, **extra):
     kwargs = dict(
         dtype=DTYPES[config.dtype],
@@ -121,7 +133,12 @@ def _from_pretrained(auto_class, config: ModelConfig, **extra):
     disable_dropout(model)
     model.to(config.resolved_device())
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.2x renamed it; .venv-vllm pins an older 5.x that has only the old name
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     model.train()  # from_pretrained returns eval mode, where transformers never checkpoints
     return model

@@ -26,7 +26,14 @@ from posttrain.core.packing import (
     shared_prefix_attention_mask,
     shared_prefix_token_logprobs,
 )
-from posttrain.models.loading import ModelConfig, disable_dropout, is_peft_adapter, load_causal_lm, load_scalar_model
+from posttrain.models.loading import (
+    ModelConfig,
+    disable_dropout,
+    is_peft_adapter,
+    load_causal_lm,
+    load_scalar_model,
+    peft_wrapping,
+)
 
 REFERENCE_ADAPTER = "reference"
 
@@ -346,8 +353,9 @@ def load_policy(config: ModelConfig) -> nn.Module:
         base_config = copy.copy(config)
         base_config.path = adapter_config["base_model_name_or_path"]
         base = load_causal_lm(base_config)
-        model = PeftModel.from_pretrained(base, config.path, is_trainable=True)
-        model.load_adapter(config.path, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        with peft_wrapping():
+            model = PeftModel.from_pretrained(base, config.path, is_trainable=True)
+            model.load_adapter(config.path, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
         model.set_adapter("default")
         model.train()  # loading the frozen adapter put the whole model in eval mode: no checkpointing there
         return disable_dropout(model)
@@ -356,7 +364,8 @@ def load_policy(config: ModelConfig) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
         lora = {"task_type": "CAUSAL_LM", **config.lora}
-        model = disable_dropout(get_peft_model(model, LoraConfig(**lora)))
+        with peft_wrapping():
+            model = disable_dropout(get_peft_model(model, LoraConfig(**lora)))
         model.peft_config["default"].base_model_name_or_path = adapter_base(config.path)
     return model
 

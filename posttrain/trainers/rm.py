@@ -39,6 +39,7 @@ from posttrain.models import (
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
+    peft_wrapping,
     sequence_scores,
 )
 from posttrain.trainers.config import (
@@ -210,9 +211,10 @@ def train(config: RMConfig, callbacks=()) -> dict:
     if config.model.lora is not None:  # saved as an adapter whose modules_to_save hold the trained score head
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(
-            model, LoraConfig(**{"task_type": "SEQ_CLS", "modules_to_save": ["score"], **config.model.lora})
-        )
+        with peft_wrapping():
+            model = get_peft_model(
+                model, LoraConfig(**{"task_type": "SEQ_CLS", "modules_to_save": ["score"], **config.model.lora})
+            )
         model.peft_config["default"].base_model_name_or_path = adapter_base(config.model.path)
     scorer = RewardScorer(model)  # trained through its forward: DDP synchronises its gradients
     shared = resolve_shared_prefix(config.shared_prefix, [model], lambda line: accelerator.print(f"[rm] {line}"))
