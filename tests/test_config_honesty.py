@@ -94,6 +94,35 @@ def test_log_every_is_honoured_by_the_online_trainers(tiny_dir, tmp_path, traine
     assert [r["step"] for r in read_metrics(tmp_path / trainer) if "lr" in r] == [2, 3]
 
 
+def test_online_steps_log_the_rate_their_update_used(tiny_dir, tmp_path):
+    """New-user finding 7 (online half): GRPO with one update per step, a linear schedule over 3
+    updates and 1 warm-up step logs 0.5, 1.0, 0.5 × lr (the next update's 1.0, 0.5, 0.0 before)."""
+    config = load_config(
+        GRPOConfig,
+        None,
+        [
+            f"model.path={tiny_dir / 'policy'}",
+            f"data.path={_online_files(tmp_path)}",
+            "data.chat_template=never",
+            f"run.output_dir={tmp_path / 'grpo'}",
+            "run.progress=false",
+            "run.report_to=[jsonl]",
+            "run.max_steps=3",
+            "run.batch_size=4",
+            "sampling.max_new_tokens=3",
+            "log_completions=0",
+            "num_generations=2",
+            "kl_coef=0",
+            "optim.lr=1e-3",
+            "optim.scheduler=linear",
+            "optim.warmup_steps=1",
+            EXACT,
+        ],
+    )
+    grpo.train(config)
+    assert [r["lr"] for r in read_metrics(tmp_path / "grpo") if "lr" in r] == pytest.approx([5e-4, 1e-3, 5e-4])
+
+
 def test_reward_model_with_lora_trains_and_saves_an_adapter(tiny_dir, tmp_path):
     """Item 15: ``model.lora`` in rm trains a LoRA adapter and the score head (it trained every weight
     and wrote a full model before). The saved adapter loads as a reward model and gives the held-out

@@ -69,6 +69,24 @@ def test_sft_loss_falls(tiny_dir, tmp_path):
     assert (tmp_path / "sft" / "config.yaml").is_file()
 
 
+def test_logged_lr_is_the_rate_the_step_used(tiny_dir, tmp_path):
+    """New-user finding 7: each step logs the learning rate its update used, so a linear schedule's
+    last step logs a rate > 0 (it logged the next step's, 0.0, before). Warm-up factor (s+1)/(w+1),
+    then 1 − (s − w)/(N − w): steps 0, 1, 2 of N = 3 with w = 1 use 0.5, 1.0, 0.5 × lr."""
+    config = _sft_config(
+        tiny_dir,
+        tmp_path,
+        "run.max_steps=3",
+        "run.batch_size=4",
+        "optim.lr=1e-3",
+        "optim.scheduler=linear",
+        "optim.warmup_steps=1",
+    )
+    train_sft(config)
+    logged = [r["lr"] for r in read_metrics(config.run.output_dir) if "lr" in r]
+    assert logged == pytest.approx([5e-4, 1e-3, 5e-4])
+
+
 @pytest.mark.parametrize("micro", [1, 2, 3])
 def test_micro_batching_gives_the_same_step(tiny_dir, tmp_path, micro):
     """Accumulation 1×4 and 4×1 (and 2×2, and 3+1) give the same gradient and parameters (docs/pitfalls.md

@@ -194,13 +194,14 @@ def run_offline(
             task.collate([train_examples[i] for i in indices[j : j + micro]]) for j in range(0, per_process, micro)
         ]
         totals, step_loss = accumulate_gradients(accelerator, task, model, batches)
+        lr = scheduler.get_last_lr()[0]  # the rate this update uses (after the step it is the next one's)
         grad_norm = optimizer_step(
             accelerator, model, optimizer, scheduler, config.optim.max_grad_norm, guard, step + 1, step_loss
         )
         done, seconds = step + 1, time.perf_counter() - t0
         metrics = {
             **task.finalize(*totals),
-            "lr": scheduler.get_last_lr()[0],
+            "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": totals[0]["tokens"] / seconds,
             "samples_per_s": run.batch_size / seconds,

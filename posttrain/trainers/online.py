@@ -142,6 +142,7 @@ class OnlineTrainer:
         metrics: dict = {}
         for step in range(start_step, self.total_steps):
             t0, timer = time.perf_counter(), PhaseTimer()
+            lr = self.actor.scheduler.get_last_lr()[0]  # the rate of this step's first update
             metrics, rollout, scores = self.train_step(step, timer)
             if rollout is None:
                 self.logger.log(step + 1, metrics)
@@ -150,6 +151,7 @@ class OnlineTrainer:
                 continue
             with timer("sync_weights"):
                 self.engine.sync_weights(self.policy)
+            metrics["lr"] = lr
             self.end_step(step + 1, metrics, rollout, scores, timer.read(time.perf_counter() - t0), callbacks)
         self.logger.close()
         save_final(acc, cfg.run.output_dir, self.models_to_save(), self.tokenizer)
@@ -167,7 +169,6 @@ class OnlineTrainer:
         cfg, acc = self.config, self.accelerator
         metrics.update(response_metrics(acc, rollout))
         metrics.update(times)
-        metrics["lr"] = self.actor.scheduler.get_last_lr()[0]
         metrics["train/nonfinite_skips"] = self.nonfinite_skips()
         metrics["tokens_per_s"] = metrics["tokens_generated"] / times["time/step"]
         write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
