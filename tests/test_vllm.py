@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,34 +96,34 @@ def _digit_prompts(tmp_path):
     return str(path)
 
 
+def _grpo_overrides(tiny_dir, tmp_path, *overrides) -> list[str]:
+    return [
+        f"model.path={tiny_dir / 'policy'}",
+        f"data.path={_digit_prompts(tmp_path)}",
+        "data.chat_template=never",
+        f"run.output_dir={tmp_path / 'run'}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "rewards=[{function: 'posttrain.rewards.length:per_token_length', kwargs: {per_token: 0.1}}]",
+        "sampling.max_new_tokens=6",
+        "num_generations=4",
+        "run.batch_size=16",
+        "run.micro_batch_size=16",
+        "run.max_steps=3",
+        "optim.lr=1e-2",  # large steps: a sampler left on the old weights shows in the log-prob gap
+        "kl_coef=0",
+        "rollout.engine=vllm",
+        "rollout.dtype=float32",
+        "rollout.enforce_eager=true",
+        *overrides,
+    ]
+
+
 def _grpo_config(tiny_dir, tmp_path, *overrides):
     from posttrain.trainers.config import load_config
     from posttrain.trainers.grpo import GRPOConfig
 
-    return load_config(
-        GRPOConfig,
-        None,
-        [
-            f"model.path={tiny_dir / 'policy'}",
-            f"data.path={_digit_prompts(tmp_path)}",
-            "data.chat_template=never",
-            f"run.output_dir={tmp_path / 'run'}",
-            "run.progress=false",
-            "run.report_to=[jsonl]",
-            "rewards=[{function: 'posttrain.rewards.length:per_token_length', kwargs: {per_token: 0.1}}]",
-            "sampling.max_new_tokens=6",
-            "num_generations=4",
-            "run.batch_size=16",
-            "run.micro_batch_size=16",
-            "run.max_steps=3",
-            "optim.lr=1e-2",  # large steps: a sampler left on the old weights shows in the log-prob gap
-            "kl_coef=0",
-            "rollout.engine=vllm",
-            "rollout.dtype=float32",
-            "rollout.enforce_eager=true",
-            *overrides,
-        ],
-    )
+    return load_config(GRPOConfig, None, _grpo_overrides(tiny_dir, tmp_path, *overrides))
 
 
 def _check_three_synced_steps(config, result):
@@ -145,6 +146,27 @@ def test_grpo_three_steps_with_colocated_vllm(tiny_dir, tmp_path):
     _check_three_synced_steps(config, result)
     for row in read_metrics(config.run.output_dir):  # synced weights: π_old/π_vLLM = 1 up to float32
         assert abs(row["rollout/importance_weight_mean"] - 1.0) < 1e-4
+
+
+def test_grpo_on_two_processes_each_rank_with_its_own_colocated_vllm(tiny_dir, tmp_path):
+    """torchrun with 2 processes and rollout.engine=vllm colocated: each rank runs its own vLLM engine
+    in vLLM's external-launcher mode (as TRL's and verl's colocated modes do), samples its own prompts
+    and is handed the weights after every step: the log-prob gap, a max over both ranks, stays at
+    float32 rounding while lr 1e-2 moves the weights (a rank left on old weights shows as ≫ 1e-4)."""
+    from posttrain.trainers.metrics import read_metrics
+
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps([["grpo", _grpo_overrides(tiny_dir, tmp_path)]]))
+    driver = Path(__file__).parent / "ddp_driver.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver)]
+    done = subprocess.run(torchrun + [str(spec)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [2]  # one run on two ranks
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-4, r
+    assert rows[-1]["passes/old_logprobs"] == 3
 
 
 @pytest.fixture

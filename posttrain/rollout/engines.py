@@ -85,19 +85,19 @@ def _vllm(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, 
         return VLLMServerEngine(config.server_url, tokenizer, config.server_timeout)
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        # one engine per rank would need vLLM's external launcher (one device per rank); not built yet
-        raise ValueError("rollout.mode=colocate with vLLM runs in one process; use rollout.mode=server with several")
     from posttrain.rollout.vllm_engine import VLLMEngine
 
+    # several training processes: one engine per rank (its own device), each sampling its rank's prompts
+    ranked = dist.is_initialized() and dist.get_world_size() > 1
     return VLLMEngine(
         model_path,
         tokenizer,
         gpu_memory_utilization=config.gpu_memory_utilization,
         dtype=config.dtype,
-        seed=seed,
+        seed=seed + (dist.get_rank() if ranked else 0),  # ranks sample independently
         enforce_eager=config.enforce_eager,
         sleep=config.sleep,
+        external_launcher=ranked,
     )
 
 

@@ -119,6 +119,7 @@ class VLLMEngine:
         seed: int = 0,
         enforce_eager: bool = False,
         sleep: bool = False,
+        external_launcher: bool = False,
     ):
         # weights are handed over in-process: the engine core must live in this process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -143,6 +144,10 @@ class VLLMEngine:
             enable_prefix_caching=True,
             enable_sleep_mode=sleep,
             logprobs_mode="processed_logprobs",
+            # under torchrun / accelerate: vLLM joins the launcher's processes (tensor parallel 1, so each
+            # rank is its own data-parallel replica) instead of starting its own group, as TRL's and
+            # verl's colocated modes run it
+            distributed_executor_backend="external_launcher" if external_launcher else None,
         )
         self._eos = eos_token_ids(tokenizer)
         if sleep:
