@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"posttrain {args.command}: error: {err}\n")
     except NonFiniteError as err:  # the run stopped itself, saying why: no traceback
         parser.exit(1, f"posttrain {args.command}: stopped: {err}\n")
+    finally:
+        _end_distributed()
     if int(os.environ.get("RANK", "0")) != 0:  # one summary per run, from the main process
         return 0
     summary = {
@@ -241,6 +243,16 @@ def main(argv: list[str] | None = None) -> int:
 
     print(json.dumps(strict_json(summary), indent=2, default=float))  # NaN as null: valid JSON for jq
     return 0
+
+
+def _end_distributed() -> None:
+    """Tear the process group down before interpreter shutdown does: a group left to the interpreter
+    aborted a finished DeepSpeed run's process now and then ("terminate called without an active
+    exception", SIGABRT), and the launcher then reports the run as failed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _quiet_transformers() -> None:

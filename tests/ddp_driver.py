@@ -45,5 +45,7 @@ def run(runs: list) -> list[int]:
 if __name__ == "__main__":
     torch.set_num_threads(1)  # two ranks share the cores
     processes = run(json.loads(Path(sys.argv[1]).read_text()))
+    if torch.distributed.is_initialized():  # as the CLI does (posttrain.cli._end_distributed)
+        torch.distributed.destroy_process_group()
     if os.environ.get("RANK", "0") == "0":  # one line: two ranks printing at once can interleave
         print(json.dumps(processes), flush=True)

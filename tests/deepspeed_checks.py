@@ -113,4 +113,5 @@ if __name__ == "__main__":
         vllm_under_zero3_is_refused(accelerator, results, *sys.argv[1:4])
     if accelerator.is_main_process:
         print(json.dumps(results), flush=True)
+    torch.distributed.destroy_process_group()  # as the CLI does (posttrain.cli._end_distributed)
     sys.exit(0)

@@ -117,7 +117,7 @@ def test_zero_on_two_processes_matches_one_plain_process(stage, tiny_dir, tmp_pa
     assert len(evals[1]) == 1 and evals[1] == pytest.approx(evals[0], rel=1e-5)
 
 
-ONLINE = ("grpo", "ppo_reward", "ppo_policy", "ppo_shared")
+ONLINE = ("grpo", "grpo_lora", "ppo_reward", "ppo_policy", "ppo_shared")
 
 
 @pytest.fixture(scope="module")
