@@ -151,7 +151,7 @@ def _run_eval(parser, args) -> int:
         metrics = evaluate_checkpoint(config)
     except (DataError, NoUsableRows) as err:  # bad data (a column a reward function needs): one line
         parser.exit(2, f"posttrain eval: error: {err}\n")
-    print(format_table(metrics))
+    print(format_table(metrics, config.eval.correct_threshold))
     print(json.dumps(metrics, indent=2))
     return 0
 

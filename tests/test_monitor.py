@@ -512,7 +512,10 @@ def test_posttrain_eval_of_a_lora_adapter_scored_by_a_reward_model(tiny_dir, tmp
         argv = ["eval", "--model", str(model), "--data", data, "--reward-model", str(tiny_dir / "reward")]
         argv += ["--max-new-tokens", "6", "--output-dir", str(tmp_path / name), "data.chat_template=never"]
         assert main([*argv, "model.device=cpu"]) == 0
-        capsys.readouterr()
+        # the printed accuracy of unbounded reward-model scores says what it counts (new-user finding 24)
+        assert "accuracy, pass@k: the share of completions whose total score is >= eval.correct_threshold = 1" in (
+            capsys.readouterr().out
+        )
         rows = [json.loads(line) for line in (tmp_path / name / "eval_samples.jsonl").read_text().splitlines()]
         completions[name] = [r["completion"] for r in rows]
         summary = json.loads((tmp_path / name / "eval_summary.json").read_text())

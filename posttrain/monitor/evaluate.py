@@ -269,9 +269,17 @@ def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
     return metrics
 
 
-def format_table(metrics: dict[str, float]) -> str:
-    """The metrics as a two-column text table."""
+def format_table(metrics: dict[str, float], correct_threshold: float | None = None) -> str:
+    """The metrics as a two-column text table; with ``correct_threshold``, a line saying what
+    ``accuracy`` and ``pass@k`` count (they read like 0/1 accuracies, also over a reward model's
+    unbounded scores)."""
     width = max(len(k) for k in metrics)
-    return "\n".join(
+    lines = [
         f"{k.ljust(width)}  {v:.4f}" if isinstance(v, float) else f"{k.ljust(width)}  {v}" for k, v in metrics.items()
-    )
+    ]
+    if correct_threshold is not None and any(k.endswith("/accuracy") or "/pass@" in k for k in metrics):
+        lines.append(
+            f"(accuracy, pass@k: the share of completions whose total score is >= eval.correct_threshold = "
+            f"{correct_threshold:g}; for a reward model's scores, set it to the score that counts as correct)"
+        )
+    return "\n".join(lines)
