@@ -85,10 +85,11 @@ class OnlineTrainer:
 
     def start_engine(self, policy) -> None:
         """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
-        if engines.zero_stage(self.accelerator) == 3 and self.config.rollout.engine == "vllm":
+        if engines.collective_forwards(self.accelerator) and self.config.rollout.engine == "vllm":
             raise ValueError(
-                "rollout.engine=vllm under DeepSpeed ZeRO-3: handing sharded weights to vLLM is not built; "
-                "use rollout.engine=hf or lean, or ZeRO-2 (examples/accelerate/zero2.yaml)"
+                f"rollout.engine=vllm under {engines.describe(self.accelerator).split(',')[0]}: handing sharded "
+                "weights to vLLM is not built; use rollout.engine=hf or lean, or ZeRO-2 "
+                "(examples/accelerate/zero2.yaml)"
             )
         self.policy = policy
         self.accelerator.print(f"[{self.name}] rollout: {self.config.rollout.describe()}")
@@ -98,8 +99,8 @@ class OnlineTrainer:
         self.monitor = RunMonitor(self.config, self.eval_prompts, self.tokenizer, self.accelerator, *self.SCORE_KEYS)
 
     def generate(self, prompts: list[PromptExample], n: int) -> tuple[Rollout, dict]:
-        """``sample``: ``n`` responses to each prompt from the current policy. Under ZeRO-3 the policy's
-        shards are gathered for the rollout and released after (``engines.full_parameters``)."""
+        """``sample``: ``n`` responses to each prompt from the current policy. Under ZeRO-3 and FSDP2 the
+        policy's shards are gathered for the rollout and released after (``engines.full_parameters``)."""
         with engines.full_parameters(self.accelerator, self.actor.model):
             return sample(self.engine, self.policy, prompts, self.config.sampling, n)
 
