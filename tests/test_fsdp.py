@@ -55,13 +55,20 @@ def _resume_runs(tiny_dir, root: Path) -> dict[str, list]:
     return runs
 
 
-def _with_lean(runs: dict) -> dict:
+def _variants(runs: dict) -> dict:
     """test_ddp_roles' runs plus GRPO sampling with the lean loop (no transformers ``generate``, which
-    keeps sharded processes in step by itself: only ``full_parameters`` does it for the lean loop)."""
-    kind, overrides, saved = runs["grpo"]
-    out = str(Path([o for o in overrides if o.startswith("run.output_dir=")][0].split("=", 1)[1]).parent)
-    lean = [o for o in overrides if not o.startswith("run.output_dir=")] + ["rollout.engine=lean"]
-    return {**runs, "grpo_lean": (kind, lean + [f"run.output_dir={out}/grpo_lean"], saved)}
+    keeps sharded processes in step by itself: only ``full_parameters`` does it for the lean loop) and
+    SFT with an evaluation whose 5 examples split 3/2 (2 and 1 micro-batches of 2: the processes must
+    still run the same number of forwards)."""
+
+    def variant(name: str, like: str, extra: list[str]) -> tuple:
+        kind, overrides, saved = runs[like]
+        out = str(Path([o for o in overrides if o.startswith("run.output_dir=")][0].split("=", 1)[1]).parent)
+        kept = [o for o in overrides if not o.startswith("run.output_dir=")]
+        return kind, kept + extra + [f"run.output_dir={out}/{name}"], saved
+
+    lean = variant("grpo_lean", "grpo", ["rollout.engine=lean"])
+    return {**runs, "grpo_lean": lean, "sft_eval": variant("sft_eval", "sft", ["data.eval_fraction=0.16"])}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +76,7 @@ def fsdp_run(tiny_dir, tmp_path_factory):
     """One launch on 2 processes: the engine checks, every trainer and critic (2 steps, global batch 8 =
     2 processes × 2 micro-batches of 2) and the resume runs. Returns (root, runs, checks, stdout)."""
     root = tmp_path_factory.mktemp("fsdp")
-    two = _with_lean(ddp_runs(tiny_dir, root, "two"))
+    two = _variants(ddp_runs(tiny_dir, root, "two"))
     resume = _resume_runs(tiny_dir, root)
     spec = root / "two.json"
     spec.write_text(json.dumps([(k, o) for k, o, _ in two.values()] + [r for rs in resume.values() for r in rs]))
@@ -77,7 +84,7 @@ def fsdp_run(tiny_dir, tmp_path_factory):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
     command += [str(ROOT / "examples" / "accelerate" / "fsdp2.yaml"), "--num_processes", "2", "--mixed_precision"]
     command += ["no", str(CHECKS), str(tiny_dir), prompts, str(root / "vllm"), str(spec)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)  # a collective mismatch hangs
     assert done.returncode == 0, done.stderr[-5000:]
     checks = json.loads(done.stdout.strip().splitlines()[-1])
     assert checks["processes"] == [2] * (len(two) + 2 * len(resume))  # really two ranks
@@ -110,12 +117,12 @@ def test_fsdp2_is_really_on_and_shards_every_role(fsdp_run):
 
 
 def test_every_trainer_under_fsdp2_matches_one_plain_process(fsdp_run, tiny_dir):
-    """SFT, RM, DPO, GRPO (transformers generate and the lean loop) and PPO with each critic — the
-    reward model's copy, the policy's copy (a second sharded model), a value head on the policy — under
-    FSDP2 on 2 processes: parameters within 1e-5 of one plain process after 2 steps, one grad_norm per
-    optimizer step, equal norms (the critic's too)."""
+    """SFT (with an evaluation), RM, DPO, GRPO (transformers generate and the lean loop) and PPO with each
+    critic — the reward model's copy, the policy's copy (a second sharded model), a value head on the
+    policy — under FSDP2 on 2 processes: parameters within 1e-5 of one plain process after 2 steps, one
+    grad_norm per optimizer step, equal norms (the critic's too), the same evaluation loss."""
     root, two, _, _, _ = fsdp_run
-    one = _with_lean(ddp_runs(tiny_dir, root, "one"))
+    one = _variants(ddp_runs(tiny_dir, root, "one"))
     assert ddp_driver.run([(kind, overrides) for kind, overrides, _ in one.values()]) == [1] * len(one)
     for name, (_, _, saved) in one.items():
         for file in saved:
@@ -129,6 +136,8 @@ def test_every_trainer_under_fsdp2_matches_one_plain_process(fsdp_run, tiny_dir)
             norms = [[r[key] for r in read_metrics(root / d / name) if key in r] for d in ("one", "two")]
             assert len(norms[1]) == 2 and norms[1] == pytest.approx(norms[0], rel=1e-5), (name, key)
             assert all(n > 0 for n in norms[0]), (name, key)
+    evals = [[r["eval/loss"] for r in read_metrics(root / d / "sft_eval") if "eval/loss" in r] for d in ("one", "two")]
+    assert len(evals[1]) == 1 and evals[1] == pytest.approx(evals[0], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["dpo", "ppo"])
