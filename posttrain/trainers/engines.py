@@ -81,9 +81,7 @@ def fsdp_requested() -> bool:
 def _fsdp_plugin():
     """accelerate's FSDP plugin as the launcher's variables describe it (its ``__post_init__`` reads
     ``FSDP_*``); FSDP1 is refused."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    from accelerate.utils import str_to_bool
+    from accelerate.utils import FullyShardedDataParallelPlugin, str_to_bool
 
     if str_to_bool(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")):
         # transformers then loads real weights on local rank 0 only: the models posttrain uses before

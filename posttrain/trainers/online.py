@@ -85,11 +85,10 @@ class OnlineTrainer:
 
     def start_engine(self, policy) -> None:
         """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
-        if engines.collective_forwards(self.accelerator) and self.config.rollout.engine == "vllm":
+        if engines.zero_stage(self.accelerator) == 3 and self.config.rollout.engine == "vllm":
             raise ValueError(
-                f"rollout.engine=vllm under {engines.describe(self.accelerator).split(',')[0]}: handing sharded "
-                "weights to vLLM is not built; use rollout.engine=hf or lean, or ZeRO-2 "
-                "(examples/accelerate/zero2.yaml)"
+                "rollout.engine=vllm under DeepSpeed ZeRO-3: handing sharded weights to vLLM is not built; "
+                "use rollout.engine=hf or lean, ZeRO-2 (examples/accelerate/zero2.yaml) or FSDP2 (fsdp2.yaml)"
             )
         self.policy = policy
         self.accelerator.print(f"[{self.name}] rollout: {self.config.rollout.describe()}")
