@@ -119,7 +119,8 @@ def build_accelerator(run: RunConfig):
         if run.mixed_precision != "no":
             plugin.set_mixed_precision(run.mixed_precision)
         accelerator.state.fsdp_plugin = plugin
-        # PartialState too: every later AcceleratorState() copies PartialState's fields over its own
+        # PartialState too, as AcceleratorState.__init__ itself does at its end: every later AcceleratorState()
+        # (AcceleratedOptimizer makes one in prepare) copies PartialState's fields over its own
         PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.print(
             "[engine] FSDP2 on CPU over gloo: accelerate enables FSDP only on accelerator devices (it would run "
