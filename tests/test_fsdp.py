@@ -59,7 +59,8 @@ def _variants(runs: dict) -> dict:
     """test_ddp_roles' runs plus GRPO sampling with the lean loop (no transformers ``generate``, which
     keeps sharded processes in step by itself: only ``full_parameters`` does it for the lean loop) and
     SFT with an evaluation whose 5 examples split 3/2 (2 and 1 micro-batches of 2: the processes must
-    still run the same number of forwards)."""
+    still run the same number of forwards), and GRPO with a held-out evaluation split the same way
+    (generate calls)."""
 
     def variant(name: str, like: str, extra: list[str]) -> tuple:
         kind, overrides, saved = runs[like]
@@ -68,7 +69,11 @@ def _variants(runs: dict) -> dict:
         return kind, kept + extra + [f"run.output_dir={out}/{name}"], saved
 
     lean = variant("grpo_lean", "grpo", ["rollout.engine=lean"])
-    return {**runs, "grpo_lean": lean, "sft_eval": variant("sft_eval", "sft", ["data.eval_fraction=0.16"])}
+    # held-out generation (RunMonitor) from the sharded policy: 5 prompts in batches of 2 split 3/2 = 2 and 1
+    # generate calls per process
+    grpo_eval = variant("grpo_eval", "grpo", ["data.eval_fraction=0.16", "eval.batch_size=2"])
+    sft_eval = variant("sft_eval", "sft", ["data.eval_fraction=0.16"])
+    return {**runs, "grpo_lean": lean, "grpo_eval": grpo_eval, "sft_eval": sft_eval}
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +144,10 @@ def test_every_trainer_under_fsdp2_matches_one_plain_process(fsdp_run, tiny_dir)
             assert all(n > 0 for n in norms[0]), (name, key)
     evals = [[r["eval/loss"] for r in read_metrics(root / d / "sft_eval") if "eval/loss" in r] for d in ("one", "two")]
     assert len(evals[1]) == 1 and evals[1] == pytest.approx(evals[0], rel=1e-5)
+    evals = [[r for r in read_metrics(root / d / "grpo_eval") if "time/eval" in r] for d in ("one", "two")]
+    assert len(evals[1]) == 1, evals  # the last step's held-out evaluation
+    keys = [k for k in evals[0][0] if k.startswith("eval/")]
+    assert keys and all(evals[1][0][k] == pytest.approx(evals[0][0][k], rel=1e-5) for k in keys), evals
 
 
 @pytest.mark.parametrize("name", ["dpo", "ppo"])

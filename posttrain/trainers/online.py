@@ -171,7 +171,9 @@ class OnlineTrainer:
         metrics["train/nonfinite_skips"] = self.nonfinite_skips()
         metrics["tokens_per_s"] = metrics["tokens_generated"] / times["time/step"]
         write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
-        metrics.update(self.monitor.after_step(self.engine, done, self.total_steps, metrics))
+        evaluating = self.monitor.evaluating(done, self.total_steps)  # generates: the policy whole (sharded engines)
+        with engines.full_parameters(acc, self.actor.model) if evaluating else contextlib.nullcontext():
+            metrics.update(self.monitor.after_step(self.engine, done, self.total_steps, metrics))
         if done % cfg.run.log_every == 0 or done == self.total_steps or "time/eval" in metrics:
             self.logger.log(done, metrics, (*self.BAR_KEYS, *self.monitor.bar_keys))
         self.logger.advance()
