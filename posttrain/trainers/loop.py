@@ -91,7 +91,7 @@ def split_train_eval(examples: list, eval_fraction: float, seed: int) -> tuple[l
 
 
 def build_accelerator(run: RunConfig):
-    """The accelerator of a run: plain, DDP, or DeepSpeed when launched with a ZeRO config (``engines``)."""
+    """The accelerator of a run: plain, DDP, or DeepSpeed / FSDP2 when launched with their config (``engines``)."""
     return engines.build_accelerator(run)
 
 
