@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One short run per (trainer, engine) on the GPUs of this machine: bf16 GRPO and PPO steps under
 # accelerate's DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 configs (examples/accelerate/), plus GRPO with a colocated
-# vLLM when vLLM is installed. Writes bench/results/gpu_check-<UTC date>.jsonl: one line per case
-# with its exit status, wall time and last metrics line. Record the outcome with the date in
-# bench/README.md.
+# vLLM when vLLM is installed. On GPUs FSDP2 takes accelerate's own path (on CPU, tests/test_fsdp.py runs
+# it); PPO's default critic=reward is a second FSDP2/DeepSpeed model. Writes
+# bench/results/gpu_check-<UTC date>.jsonl: one line per case with its exit status, wall time and last
+# metrics line. Record the outcome with the date in bench/README.md.
 #
 #   bash bench/gpu_check.sh            # every visible GPU
 #   NPROC=2 bash bench/gpu_check.sh    # two of them

@@ -213,6 +213,30 @@ def test_grpo_three_steps_against_a_vllm_server_then_a_clear_error_when_it_is_go
         trainer.engine.generate(_prompts(trainer.tokenizer), PARAMS, n=2)
 
 
+def test_grpo_under_fsdp2_on_two_processes_against_a_vllm_server(tiny_dir, tmp_path, server):
+    """FSDP2 on 2 gloo processes (examples/accelerate/fsdp2.yaml) sampling from a vLLM server: each weight
+    sync gathers the policy's shards whole (``policy_weights``) before pushing them, so every rollout is
+    sampled from the weights the trainer just stepped to (lr 1e-2: shards or stale weights would show)."""
+    from posttrain.trainers.metrics import read_metrics
+
+    url, _ = server
+    overrides = _grpo_overrides(tiny_dir, tmp_path, "rollout.mode=server", f"rollout.server_url={url}")
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps([["grpo", overrides + ["run.micro_batch_size=4"]]]))
+    root = Path(__file__).parent.parent
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    command += [str(root / "examples" / "accelerate" / "fsdp2.yaml"), "--num_processes", "2"]
+    command += ["--mixed_precision", "no", str(Path(__file__).parent / "ddp_driver.py"), str(spec)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [2]
+    assert "training engine: FSDP2, 2 process(es)" in done.stdout
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-4, r
+
+
 def test_ppo_two_steps_with_colocated_vllm(tiny_dir, tmp_path):
     from posttrain.trainers.config import load_config
     from posttrain.trainers.metrics import read_metrics

@@ -152,8 +152,15 @@ class Evaluator:
         )
         indices = list(range(len(self.prompts)))[rank::world]
         records = []
-        for start in range(0, len(indices), self.config.batch_size):
+        # every process makes the same number of generate calls: with a sharded policy (FSDP2, ZeRO-3) each
+        # call is collective (transformers' synced_gpus); a process short of prompts repeats the first one
+        # and keeps nothing from it
+        calls = math.ceil(math.ceil(len(self.prompts) / world) / self.config.batch_size)
+        for start in range(0, calls * self.config.batch_size, self.config.batch_size):
             chunk = indices[start : start + self.config.batch_size]
+            if not chunk:
+                engine.generate([self.prompts[0].prompt_ids], params, n=n)
+                continue
             prompts = [self.prompts[i] for i in chunk]
             rollout = engine.generate([p.prompt_ids for p in prompts], params, n=n)
             keys = sorted({k for p in prompts for k in p.columns})

@@ -57,11 +57,15 @@ class RunMonitor:
             keys = (f"eval/{mode}/accuracy", *keys)
         return keys
 
+    def evaluating(self, step: int, total_steps: int) -> bool:
+        """Whether ``after_step`` generates from the policy at this step (a held-out evaluation is due)."""
+        return self.evaluator is not None and self.evaluator.due(step, total_steps, self.every)
+
     def after_step(self, engine, step: int, total_steps: int, metrics: dict) -> dict[str, float]:
         """The metrics to add to this step's record: ``eval/*`` and ``time/eval`` when an evaluation
         was due, and ``alerts`` (alerts raised so far) on the main process."""
         out: dict[str, float] = {}
-        if self.evaluator is not None and self.evaluator.due(step, total_steps, self.every):
+        if self.evaluating(step, total_steps):
             start = time.perf_counter()
             out.update(self.evaluator.evaluate(engine, step))
             out["time/eval"] = time.perf_counter() - start

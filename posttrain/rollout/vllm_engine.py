@@ -80,12 +80,13 @@ def rollout_from_completions(
 
 def policy_weights(policy: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of the policy under the checkpoint's names; for a peft LoRA policy the merged
-    W + ΔW of every adapted layer as new tensors (the policy itself is left untouched)."""
+    W + ΔW of every adapted layer as new tensors (the policy itself is left untouched). A policy sharded
+    by FSDP2 holds DTensor shards: each is gathered whole (a collective: every process syncs)."""
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
     if not isinstance(policy, PeftModel):
-        return [(name, tensor.detach()) for name, tensor in policy.state_dict().items()]
+        return [(name, _whole(tensor.detach())) for name, tensor in policy.state_dict().items()]
     base = policy.get_base_model()
     deltas = {}
     with torch.no_grad():
@@ -103,6 +104,11 @@ def policy_weights(policy: nn.Module) -> list[tuple[str, torch.Tensor]]:
             tensor = tensor + deltas[key].to(tensor.dtype)
         out.append((key.replace(".base_layer.", "."), tensor))
     return out
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a DTensor (FSDP2 shard), gathered from every process; any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 class VLLMEngine:

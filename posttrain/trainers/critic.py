@@ -20,6 +20,7 @@ import torch
 from posttrain.core import masked_mean, value_loss
 from posttrain.models import PolicyWithValueHead, ValueModel, load_critic
 from posttrain.rollout import Rollout
+from posttrain.trainers import engines
 from posttrain.trainers.loop import NonFiniteGuard, build_optimizer
 from posttrain.trainers.online import Optimized, policy_logprobs, train_minibatch
 
@@ -158,6 +159,6 @@ def build_critic(accelerator, config, policy, updates: int) -> tuple[Optimized, 
 
 def _prepared(accelerator, model, optim, updates: int, run, name: str = "policy") -> Optimized:
     optimizer, scheduler = build_optimizer([p for p in model.parameters() if p.requires_grad], optim, updates)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = engines.prepare(accelerator, model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     return Optimized(model, optimizer, scheduler, NonFiniteGuard(accelerator, run, model=name), optim.max_grad_norm)

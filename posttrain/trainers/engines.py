@@ -1,4 +1,4 @@
-"""The training engine under accelerate — plain/DDP or DeepSpeed ZeRO — and everything the trainers do
+"""The training engine under accelerate — plain/DDP, DeepSpeed ZeRO or FSDP2 — and everything the trainers do
 differently under it, in one place: building the accelerator, the batch sizes and clipping handed to the
 engine, the micro-batch backward and the optimizer step with the non-finite guard, frozen roles, and
 full parameters for generation.
@@ -29,6 +29,28 @@ the ``ACCELERATE_DEEPSPEED_*`` variables. What differs from DDP, and why:
 On a machine without a GPU DeepSpeed runs on its CPU accelerator (``DS_ACCELERATOR=cpu``, set here when
 unset) over gloo (DeepSpeed uses oneCCL only when its bindings are installed). accelerate enables
 DeepSpeed only with ``cpu=False``, so the accelerator is built with ``cpu=False`` and the gloo backend.
+
+FSDP2 (torch's ``fully_shard``) is chosen the same way: ``accelerate launch --config_file
+examples/accelerate/fsdp2.yaml`` sets ``ACCELERATE_USE_FSDP=true``, ``FSDP_VERSION=2`` and the
+``FSDP_*`` variables, and accelerate's own FSDP2 code prepares, clips and saves. What differs from DDP:
+
+- **Accumulation**: FSDP2 reduce-scatters the gradients after every micro-batch's backward and
+  accumulates the local shards (no ``no_sync``: an unsynchronised FSDP2 backward keeps a full, unsharded
+  gradient on every process, the memory FSDP is there to save). The sum is the same.
+- **Clipping**: ``accelerator.clip_grad_norm_`` returns the global norm as a DTensor; ``grad_norm``
+  turns it into the full value (every process the same), which the non-finite guard reads.
+- **Frozen roles** are ``fully_shard``-ed like the policy (without an optimizer): each process holds
+  1/world of them, gathered layer by layer in each forward.
+- **Every forward is a collective**: processes run the same number of forwards (``evaluate_offline``),
+  and generation runs inside ``full_parameters``, which unshards the whole policy once for the rollout
+  (no collective per token: processes generating different lengths cannot deadlock) and reshards after.
+- **PPO's separate critic** is a second ``prepare`` call: accelerate's FSDP2 refuses two models in one
+  call, not two calls; both are sharded with the one plugin.
+
+accelerate 1.15 turns FSDP on only for GPU-type devices (``AcceleratorState``: the FSDP branch sits in
+the MULTI_GPU/XPU/... case); on CPU an FSDP request silently becomes DDP. torch's FSDP2 itself runs on
+CPU over gloo, so on a machine without an accelerator ``build_accelerator`` builds the FSDP2 plugin
+from the launcher's variables and switches accelerate's state to FSDP (printed). FSDP1 is refused.
 """
 
 from __future__ import annotations
@@ -51,11 +73,60 @@ def deepspeed_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
+def fsdp_requested() -> bool:
+    """``accelerate launch`` with an FSDP config (or ``ACCELERATE_USE_FSDP=true`` under torchrun)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def _fsdp_plugin():
+    """accelerate's FSDP plugin as the launcher's variables describe it (its ``__post_init__`` reads
+    ``FSDP_*``); FSDP1 is refused."""
+    from accelerate.utils import FullyShardedDataParallelPlugin, str_to_bool
+
+    if str_to_bool(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")):
+        # transformers then loads real weights on local rank 0 only: the models posttrain uses before
+        # prepare (the shared-prefix probe, DPO's precomputed reference, the reference copy) would differ
+        raise ValueError(
+            "fsdp_cpu_ram_efficient_loading: true loads the weights on one process only, but posttrain runs its "
+            "models before sharding them (shared-prefix probe, reference copy): set it to false"
+        )
+    version = os.environ.get("FSDP_VERSION", "1")  # accelerate's default is FSDP1
+    if version != "2":  # checked before the plugin is built: FSDP1's plugin needs an accelerator device
+        raise ValueError(
+            f"FSDP version {version} requested: posttrain supports FSDP2 (torch fully_shard) only; "
+            "set fsdp_version: 2 in the accelerate config (examples/accelerate/fsdp2.yaml)"
+        )
+    plugin = FullyShardedDataParallelPlugin()
+    return plugin
+
+
 def build_accelerator(run: RunConfig):
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
     common = {"mixed_precision": run.mixed_precision, "step_scheduler_with_optimizer": False}
+    if fsdp_requested():
+        plugin = _fsdp_plugin()
+        if torch.cuda.is_available():  # accelerate's own path
+            return Accelerator(**common, fsdp_plugin=plugin)
+        if int(os.environ.get("LOCAL_RANK", -1)) == -1:
+            raise RuntimeError(
+                "FSDP (ACCELERATE_USE_FSDP=true) needs a launcher: `accelerate launch --config_file "
+                "examples/accelerate/fsdp2.yaml -m posttrain.cli ...` or torchrun"
+            )
+        accelerator = Accelerator(**common, cpu=True)
+        # accelerate gates FSDP to accelerator devices and made this DDP; torch's FSDP2 runs on CPU over gloo
+        if run.mixed_precision != "no":
+            plugin.set_mixed_precision(run.mixed_precision)
+        accelerator.state.fsdp_plugin = plugin
+        # PartialState too, as AcceleratorState.__init__ itself does at its end: every later AcceleratorState()
+        # (AcceleratedOptimizer makes one in prepare) copies PartialState's fields over its own
+        PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.print(
+            "[engine] FSDP2 on CPU over gloo: accelerate enables FSDP only on accelerator devices (it would run "
+            "DDP here), torch's fully_shard supports CPU, so accelerate's state is switched to FSDP"
+        )
+        return accelerator
     if torch.cuda.is_available():
         return Accelerator(**common)
     if deepspeed_requested():
@@ -77,6 +148,18 @@ def is_deepspeed(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
+def is_fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def collective_forwards(accelerator) -> bool:
+    """Whether every forward of a prepared model is a collective (ZeRO-3, FSDP2): every process must then
+    run the same number of forwards."""
+    return zero_stage(accelerator) == 3 or is_fsdp(accelerator)
+
+
 def zero_stage(accelerator) -> int | None:
     """The ZeRO stage under DeepSpeed, None otherwise."""
     if not is_deepspeed(accelerator):
@@ -90,6 +173,7 @@ def describe(accelerator) -> str:
     kind = str(accelerator.distributed_type).split(".")[-1]
     kind = {"NO": "plain", "MULTI_CPU": "DDP", "MULTI_GPU": "DDP"}.get(kind, kind)
     kind = f"DeepSpeed ZeRO-{stage}" if stage is not None else kind
+    kind = f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}" if is_fsdp(accelerator) else kind
     return f"{kind}, {accelerator.num_processes} process(es) on {accelerator.device.type}"
 
 
@@ -133,11 +217,12 @@ def configure(accelerator, micro_batch_size: int, accumulation: int, max_grad_no
 @contextlib.contextmanager
 def micro_batch(accelerator, model, last: bool):
     """Around one micro-batch's forward and backward: gradients are synchronised only on the ``last``
-    micro-batch of the optimizer step (DDP: ``no_sync`` before it; DeepSpeed: the accumulation boundary)."""
+    micro-batch of the optimizer step (DDP: ``no_sync`` before it; DeepSpeed: the accumulation boundary),
+    except under FSDP2, which reduce-scatters every micro-batch's gradient (module docstring)."""
     if is_deepspeed(accelerator):
         model.set_gradient_accumulation_boundary(last)
         yield
-    elif last:
+    elif last or is_fsdp(accelerator):  # FSDP2: reduce-scatter every micro-batch (module docstring)
         yield
     else:
         with accelerator.no_sync(model):
@@ -154,6 +239,59 @@ def backward(accelerator, model, loss: torch.Tensor) -> None:
         return
     poison = torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
     model.backward(loss * poison, scale_wrt_gas=False)
+
+
+def prepare(accelerator, model: torch.nn.Module, optimizer):
+    """``accelerator.prepare(model, optimizer)``. Under FSDP2 the layers to shard one by one are the
+    transformer blocks (``_no_split_modules``) of the Hugging Face model inside ``model`` when the
+    accelerate config names none (a wrapper — reward scorer, value model, policy with a value head — has
+    no ``_no_split_modules`` of its own), and the root unit is fixed (``_fsdp_root``)."""
+    if not is_fsdp(accelerator):
+        return accelerator.prepare(model, optimizer)
+    _fsdp_units(accelerator, model, frozen=False)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return _fsdp_root(model), optimizer
+
+
+def _fsdp_root(model: torch.nn.Module) -> torch.nn.Module:
+    """Make the outermost FSDP unit of a sharded ``model`` the root now. torch decides the root at the
+    first forward, and a first forward through an inner module (the shared-prefix probe runs the backbone;
+    a rollout the Hugging Face model inside a wrapper) would make an inner unit the root."""
+    model._get_fsdp_state()._lazy_init()
+    return model
+
+
+def _fsdp_units(accelerator, model: torch.nn.Module, frozen: bool) -> None:
+    """Before accelerate shards ``model``: the transformer blocks to shard one by one (``prepare``), and
+    for a ``frozen`` role each ``score`` head (a reward model's) as a unit of its own: ``models.roles``
+    calls the head directly, outside the model's forward, where the root unit's parameters stay sharded
+    (a trained critic runs it inside its wrapper's forward)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    plugin = accelerator.state.fsdp_plugin
+    if plugin.transformer_cls_names_to_wrap is None:
+        inner = next((m for m in model.modules() if getattr(m, "_no_split_modules", None)), None)
+        if inner is not None:
+            plugin.transformer_cls_names_to_wrap = list(inner._no_split_modules)
+    heads = [m for name, m in model.named_modules() if frozen and name.split(".")[-1] == "score"]
+    for head in heads:
+        if not isinstance(head, FSDPModule):
+            mp = plugin.mixed_precision_policy or MixedPrecisionPolicy()
+            fully_shard(head, reshard_after_forward=False, offload_policy=plugin.cpu_offload, mp_policy=mp)
+
+
+def grad_norm(accelerator, params: list, max_norm: float | None) -> float:
+    """The global gradient norm of ``params`` (every process the same), clipped to ``max_norm`` when given.
+
+    FSDP2: the gradients are shards (DTensors); accelerate's ``clip_grad_norm_`` (max_norm = inf when
+    unclipped: a factor of exactly 1) returns the norm as a DTensor, made whole here."""
+    if max_norm is None and not is_fsdp(accelerator):
+        norms = [p.grad.detach().norm() for p in params if p.grad is not None]
+        return float(torch.stack(norms).norm()) if norms else 0.0
+    norm = accelerator.clip_grad_norm_(params, math.inf if max_norm is None else max_norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor
+        norm = norm.full_tensor()
+    return float(norm)
 
 
 def deepspeed_step(accelerator, model, scheduler, guard, step: int, loss: float) -> float:
@@ -180,7 +318,19 @@ def prepare_frozen(accelerator, model: torch.nn.Module, device: str | None = Non
     of 2N. Every process must then run the same number of forwards. Otherwise: the model on ``device``
     (default this process's device): one full copy per process; under ZeRO-2 only trained states are
     sharded. A ``device`` (an offload to the CPU) is refused under ZeRO-3, which shards the role instead.
+    FSDP2: ``fully_shard`` as accelerate shards the policy, without an optimizer (1/world per process,
+    gathered layer by layer in each forward; every process must run the same number of forwards).
     """
+    if is_fsdp(accelerator):
+        if device is not None:
+            raise ValueError(
+                f"a frozen role placed on {device!r}: under FSDP2 the frozen roles are sharded over the processes "
+                "instead; leave reference_device / reward_device unset (fsdp_offload_params offloads the shards)"
+            )
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        _fsdp_units(accelerator, model, frozen=True)
+        return _fsdp_root(fsdp2_prepare_model(accelerator, model.requires_grad_(False)).eval())
     if zero_stage(accelerator) != 3:
         return model.to(device or accelerator.device)
     if device is not None:
@@ -241,7 +391,15 @@ def full_parameters(accelerator, model):
 
     ZeRO-3: DeepSpeed's own ``unwrap_model_for_generation`` gathers the shards once and takes the
     engine's forward hooks off meanwhile (they would release each layer after its forward and gather it
-    again for every generated token), then puts them back."""
+    again for every generated token), then puts them back.
+
+    FSDP2: every FSDP unit of ``model`` is unsharded (one all-gather each) with resharding after forward
+    off, so the generation's forwards communicate nothing and processes may generate different numbers
+    of tokens; after, every unit is resharded and its resharding setting restored."""
+    if is_fsdp(accelerator):
+        with _fsdp_unsharded(model):
+            yield accelerator.unwrap_model(model)
+        return
     if zero_stage(accelerator) != 3:
         yield accelerator.unwrap_model(model)
         return
@@ -249,3 +407,30 @@ def full_parameters(accelerator, model):
 
     with unwrap_model_for_generation(model):
         yield accelerator.unwrap_model(model)
+
+
+@contextlib.contextmanager
+def _fsdp_unsharded(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the root first
+    if not units:
+        yield
+        return
+    _fsdp_root(units[0])  # the rollout may call an inner module first (the policy in a shared-critic policy)
+    states = [m._get_fsdp_state() for m in units]
+    automatic = [state._auto_reshard_after_forward for state in states]
+    groups = [g for state in states for g in state._fsdp_param_groups]
+    resharding = [g.post_forward_mesh_info for g in groups]
+    try:
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        for state, auto in zip(states, automatic, strict=True):
+            state._auto_reshard_after_forward = auto
+        for group, mesh_info in zip(groups, resharding, strict=True):
+            group.post_forward_mesh_info = mesh_info

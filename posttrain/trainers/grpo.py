@@ -296,7 +296,7 @@ class GRPOTrainer(OnlineTrainer):
         optimizer, scheduler = build_optimizer(
             [p for p in policy.parameters() if p.requires_grad], config.optim, updates
         )
-        model, optimizer = acc.prepare(policy, optimizer)
+        model, optimizer = engines.prepare(acc, policy, optimizer)
         acc.register_for_checkpointing(scheduler)
         self.actor = Optimized(model, optimizer, scheduler, NonFiniteGuard(acc, config.run), config.optim.max_grad_norm)
         self.passes = {"old_logprobs": 0, "reference": 0, "policy_train": 0}

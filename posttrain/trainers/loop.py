@@ -91,7 +91,7 @@ def split_train_eval(examples: list, eval_fraction: float, seed: int) -> tuple[l
 
 
 def build_accelerator(run: RunConfig):
-    """The accelerator of a run: plain, DDP, or DeepSpeed when launched with a ZeRO config (``engines``)."""
+    """The accelerator of a run: plain, DDP, or DeepSpeed / FSDP2 when launched with their config (``engines``)."""
     return engines.build_accelerator(run)
 
 
@@ -179,7 +179,7 @@ def run_offline(
         [p for p in trainable.model.parameters() if p.requires_grad], config.optim, total_steps
     )
     engines.configure(accelerator, micro, per_process // micro, config.optim.max_grad_norm)
-    model, optimizer = accelerator.prepare(trainable.model, optimizer)
+    model, optimizer = engines.prepare(accelerator, trainable.model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     saved = {role: (model if m is trainable.model else m) for role, m in trainable.saved.items()}
     state, logger = start_run(accelerator, config, total_steps, Path(run.output_dir).name)
@@ -277,13 +277,13 @@ def accumulate_gradients(accelerator, task: Task, model, batches: list) -> tuple
 def evaluate_offline(accelerator, task: Task, model, examples: list, micro: int) -> dict[str, float]:
     """``eval/<metric>`` of ``task`` on ``examples``, each process scoring every world-th example.
 
-    Under ZeRO-3 every forward gathers shards from every process, so a process with fewer micro-batches
+    Under ZeRO-3 and FSDP2 every forward gathers shards from every process, so a process with fewer micro-batches
     than the others runs its missing forwards on a repeated example and counts nothing from them."""
     model.eval()
     sums, count = {}, 0
     mine = examples[accelerator.process_index :: accelerator.num_processes]
     forwards = math.ceil(len(mine) / micro)
-    if engines.zero_stage(accelerator) == 3:
+    if engines.collective_forwards(accelerator):
         forwards = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / micro)
     with torch.no_grad():
         for i in range(forwards):
@@ -334,12 +334,7 @@ def optimizer_step(
     """
     if engines.is_deepspeed(accelerator):
         return engines.deepspeed_step(accelerator, model, scheduler, guard, step, loss)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if max_norm is None:
-        norms = [p.grad.detach().norm() for p in params if p.grad is not None]
-        norm = float(torch.stack(norms).norm()) if norms else 0.0
-    else:
-        norm = float(accelerator.clip_grad_norm_(params, max_norm))
+    norm = engines.grad_norm(accelerator, [p for p in model.parameters() if p.requires_grad], max_norm)
     scaled = accelerator.scaler is not None
     if guard.allows(step, loss=loss, grad_norm=0.0 if scaled else norm) or scaled:
         optimizer.step()

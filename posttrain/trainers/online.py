@@ -88,7 +88,7 @@ class OnlineTrainer:
         if engines.zero_stage(self.accelerator) == 3 and self.config.rollout.engine == "vllm":
             raise ValueError(
                 "rollout.engine=vllm under DeepSpeed ZeRO-3: handing sharded weights to vLLM is not built; "
-                "use rollout.engine=hf or lean, or ZeRO-2 (examples/accelerate/zero2.yaml)"
+                "use rollout.engine=hf or lean, ZeRO-2 (examples/accelerate/zero2.yaml) or FSDP2 (fsdp2.yaml)"
             )
         self.policy = policy
         self.accelerator.print(f"[{self.name}] rollout: {self.config.rollout.describe()}")
@@ -98,8 +98,8 @@ class OnlineTrainer:
         self.monitor = RunMonitor(self.config, self.eval_prompts, self.tokenizer, self.accelerator, *self.SCORE_KEYS)
 
     def generate(self, prompts: list[PromptExample], n: int) -> tuple[Rollout, dict]:
-        """``sample``: ``n`` responses to each prompt from the current policy. Under ZeRO-3 the policy's
-        shards are gathered for the rollout and released after (``engines.full_parameters``)."""
+        """``sample``: ``n`` responses to each prompt from the current policy. Under ZeRO-3 and FSDP2 the
+        policy's shards are gathered for the rollout and released after (``engines.full_parameters``)."""
         with engines.full_parameters(self.accelerator, self.actor.model):
             return sample(self.engine, self.policy, prompts, self.config.sampling, n)
 
@@ -172,7 +172,9 @@ class OnlineTrainer:
         metrics["train/nonfinite_skips"] = self.nonfinite_skips()
         metrics["tokens_per_s"] = metrics["tokens_generated"] / times["time/step"]
         write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
-        metrics.update(self.monitor.after_step(self.engine, done, self.total_steps, metrics))
+        evaluating = self.monitor.evaluating(done, self.total_steps)  # generates: the policy whole (sharded engines)
+        with engines.full_parameters(acc, self.actor.model) if evaluating else contextlib.nullcontext():
+            metrics.update(self.monitor.after_step(self.engine, done, self.total_steps, metrics))
         if done % cfg.run.log_every == 0 or done == self.total_steps or "time/eval" in metrics:
             self.logger.log(done, metrics, (*self.BAR_KEYS, *self.monitor.bar_keys))
         self.logger.advance()
