@@ -148,20 +148,28 @@ def test_grpo_three_steps_with_colocated_vllm(tiny_dir, tmp_path):
         assert abs(row["rollout/importance_weight_mean"] - 1.0) < 1e-4
 
 
-def test_grpo_on_two_processes_each_rank_with_its_own_colocated_vllm(tiny_dir, tmp_path):
-    """torchrun with 2 processes and rollout.engine=vllm colocated: each rank runs its own vLLM engine
-    in vLLM's external-launcher mode (as TRL's and verl's colocated modes do), samples its own prompts
-    and is handed the weights after every step: the log-prob gap, a max over both ranks, stays at
-    float32 rounding while lr 1e-2 moves the weights (a rank left on old weights shows as ≫ 1e-4)."""
+@pytest.mark.parametrize("launcher", ["ddp", "fsdp2"])
+def test_grpo_on_two_processes_each_rank_with_its_own_colocated_vllm(tiny_dir, tmp_path, launcher):
+    """2 processes (torchrun: DDP; or accelerate with examples/accelerate/fsdp2.yaml) and
+    rollout.engine=vllm colocated: each rank runs its own vLLM engine in vLLM's external-launcher mode
+    (as TRL's and verl's colocated modes do), samples its own prompts and is handed the weights (under
+    FSDP2 gathered whole) after every step: the log-prob gap, a max over both ranks, stays at float32
+    rounding while lr 1e-2 moves the weights (a rank left on old weights or shards shows as >> 1e-4)."""
     from posttrain.trainers.metrics import read_metrics
 
     spec = tmp_path / "runs.json"
-    spec.write_text(json.dumps([["grpo", _grpo_overrides(tiny_dir, tmp_path)]]))
-    driver = Path(__file__).parent / "ddp_driver.py"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver)]
-    done = subprocess.run(torchrun + [str(spec)], capture_output=True, text=True, timeout=900)
+    spec.write_text(json.dumps([["grpo", _grpo_overrides(tiny_dir, tmp_path, "run.micro_batch_size=4")]]))
+    driver = str(Path(__file__).parent / "ddp_driver.py")
+    if launcher == "ddp":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", driver]
+    else:
+        config = Path(__file__).parent.parent / "examples" / "accelerate" / "fsdp2.yaml"
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+        command += ["--num_processes", "2", "--mixed_precision", "no", driver]
+    done = subprocess.run([*command, str(spec)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [2]  # one run on two ranks
+    assert f"training engine: {'FSDP2' if launcher == 'fsdp2' else 'DDP'}, 2 process(es)" in done.stdout
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
