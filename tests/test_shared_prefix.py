@@ -12,6 +12,7 @@ from posttrain.core import (
     gather_at_predictors,
     pack_groups,
     pack_shared_prefix,
+    packed_group_shape,
     predictor_positions,
     response_index,
     response_last_positions,
@@ -106,6 +107,30 @@ def test_pack_groups_by_hand():
     assert response_of_row.tolist() == [0, 2, 1]  # packed responses: (row 0, row 2) of prompt 0, then row 1
     empty = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
     assert pack_groups(prompt_ids, prompt_mask, response_ids, empty, torch.tensor([0, 1, 0])) is None
+
+
+def test_packed_group_shape_by_hand_and_equal_to_pack_groups():
+    """The (rows, length) the auto decision compares, from the masks alone: the batch of
+    test_pack_groups_by_hand is 2 rows of max(2 + 2 + 1, 3 + 3) = 6; a row without a response token
+    gives None, as pack_groups does. Then ragged random batches: always the shape pack_groups builds."""
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1]])
+    response_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    assert packed_group_shape(prompt_mask, response_mask, torch.tensor([0, 1, 0])) == (2, 6)
+    # every row its own prompt: max(2 + 2, 3 + 3, 2 + 1)
+    assert packed_group_shape(prompt_mask, response_mask, torch.tensor([0, 1, 2])) == (3, 6)
+    empty = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    assert packed_group_shape(prompt_mask, empty, torch.tensor([0, 1, 0])) is None
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        rows, width, length = 9, 5, 6
+        prompt_of_row = torch.randint(0, 4, (rows,), generator=generator)
+        prompt_lengths = torch.randint(1, width + 1, (4,), generator=generator)[prompt_of_row]
+        prompt_mask = (torch.arange(width) >= width - prompt_lengths[:, None]).long()
+        response_mask = (torch.arange(length) < torch.randint(1, length + 1, (rows, 1), generator=generator)).long()
+        ids = torch.randint(3, 50, (rows, width), generator=generator)
+        responses = torch.randint(3, 50, (rows, length), generator=generator)
+        batch, _ = pack_groups(ids, prompt_mask, responses, response_mask, prompt_of_row)
+        assert packed_group_shape(prompt_mask, response_mask, prompt_of_row) == tuple(batch.input_ids.shape)
 
 
 def test_token_logprobs_read_the_right_positions():

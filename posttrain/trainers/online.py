@@ -472,6 +472,8 @@ def gather_whiten(accelerator, values: torch.Tensor, mask: torch.Tensor, shift_m
 
 
 def global_min(accelerator, value: int) -> int:
+    if accelerator.num_processes == 1:
+        return int(value)
     tensor = torch.tensor([value], dtype=torch.long, device=accelerator.device)
     return int(accelerator.gather(tensor).min())
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from posttrain.core import SharedPrefixBatch, forward_cost, pack_groups
+from posttrain.core import SharedPrefixBatch, forward_cost, pack_groups, packed_group_shape
 from posttrain.models import shared_prefix_unsupported
 from posttrain.rollout import Rollout
 
@@ -87,19 +87,17 @@ def packed_rollout_rows(
     and the packed response of each row; None when ``shared`` is off or does not pay for these rows."""
     if shared is None or not shared.enabled:
         return None
-    packed = pack_groups(
+    if not shared.always:  # decide from the shapes alone; build the packed batch only when it pays
+        shape = packed_group_shape(rollout.prompt_mask[rows], rollout.response_mask[rows], rollout.prompt_index[rows])
+        if shape is None or not shared.pays(*rollout.input_ids[rows].shape, *shape):
+            return None
+    return pack_groups(
         rollout.prompt_ids[rows],
         rollout.prompt_mask[rows],
         rollout.response_ids[rows],
         rollout.response_mask[rows],
         rollout.prompt_index[rows],
     )
-    if packed is None:
-        return None
-    rows_in, width = rollout.input_ids[rows].shape
-    if not shared.pays(rows_in, width, *packed[0].input_ids.shape):
-        return None
-    return packed
 
 
 def unpack_rows(values: torch.Tensor | None, response_of_row: torch.Tensor, response_length: int):
