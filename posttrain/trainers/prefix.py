@@ -37,6 +37,9 @@ class SharedPrefix:
     always: bool = False
     params: int = 0
     attention_width: int = 0
+    prompt_cache: bool = False
+    """GRPO under auto: where packing does not pay, run each distinct prompt of a micro-batch once and
+    its samples as a continuation of its KV cache (``models.prompt_cached_logprobs``)."""
 
     def pays(self, padded_rows: int, padded_length: int, packed_rows: int, packed_length: int) -> bool:
         """Pack this micro-batch? ``padded_*``: one row per response; ``packed_*``: one row per prompt."""
@@ -98,6 +101,15 @@ def packed_rollout_rows(
         rollout.response_mask[rows],
         rollout.prompt_index[rows],
     )
+
+
+def prompt_cache_applies(model: nn.Module, shared: SharedPrefix | None) -> bool:
+    """Run these rows with each prompt once through the KV cache? Only with ``shared.prompt_cache`` and
+    without gradient checkpointing (which turns the cache off in a training forward)."""
+    if shared is None or not shared.prompt_cache:
+        return False
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers ≥ 5.x's name
+    return not (getattr(model, "is_gradient_checkpointing", False) if checkpointing is None else checkpointing)
 
 
 def unpack_rows(values: torch.Tensor | None, response_of_row: torch.Tensor, response_length: int):
