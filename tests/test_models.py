@@ -317,3 +317,22 @@ def test_loaded_policy_checkpoints_gradients(tiny_dir, tmp_path, kind):
     ids = torch.tensor([[1, 30, 31, 32, 40, 41, 42]])
     response_logprobs(policy, ids, torch.ones_like(ids), 4)[0].sum().backward()
     assert len(calls) == 2  # the forward, and its recomputation in the backward
+
+
+def test_is_peft_model_answers_without_importing_peft(tiny_dir):
+    """Asking whether a plain model is a LoRA model must not import peft (~10 MiB of peak RSS, issue 13);
+    a LoRA policy is still recognised (then peft is imported: it built the model)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from posttrain.models import ModelConfig, is_peft_model, load_policy\n"
+        f"policy = load_policy(ModelConfig(path={str(tiny_dir / 'policy')!r}))\n"
+        "assert not is_peft_model(policy) and 'peft' not in sys.modules, 'peft imported'\n"
+        f"lora = load_policy(ModelConfig(path={str(tiny_dir / 'policy')!r}, lora={LORA!r}))\n"
+        "assert is_peft_model(lora) and not is_peft_model(policy)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().endswith("ok"), done.stderr[-2000:]

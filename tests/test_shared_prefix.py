@@ -12,6 +12,7 @@ from posttrain.core import (
     gather_at_predictors,
     pack_groups,
     pack_shared_prefix,
+    packed_group_shape,
     predictor_positions,
     response_index,
     response_last_positions,
@@ -106,6 +107,30 @@ def test_pack_groups_by_hand():
     assert response_of_row.tolist() == [0, 2, 1]  # packed responses: (row 0, row 2) of prompt 0, then row 1
     empty = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
     assert pack_groups(prompt_ids, prompt_mask, response_ids, empty, torch.tensor([0, 1, 0])) is None
+
+
+def test_packed_group_shape_by_hand_and_equal_to_pack_groups():
+    """The (rows, length) the auto decision compares, from the masks alone: the batch of
+    test_pack_groups_by_hand is 2 rows of max(2 + 2 + 1, 3 + 3) = 6; a row without a response token
+    gives None, as pack_groups does. Then ragged random batches: always the shape pack_groups builds."""
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1]])
+    response_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    assert packed_group_shape(prompt_mask, response_mask, torch.tensor([0, 1, 0])) == (2, 6)
+    # every row its own prompt: max(2 + 2, 3 + 3, 2 + 1)
+    assert packed_group_shape(prompt_mask, response_mask, torch.tensor([0, 1, 2])) == (3, 6)
+    empty = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    assert packed_group_shape(prompt_mask, empty, torch.tensor([0, 1, 0])) is None
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        rows, width, length = 9, 5, 6
+        prompt_of_row = torch.randint(0, 4, (rows,), generator=generator)
+        prompt_lengths = torch.randint(1, width + 1, (4,), generator=generator)[prompt_of_row]
+        prompt_mask = (torch.arange(width) >= width - prompt_lengths[:, None]).long()
+        response_mask = (torch.arange(length) < torch.randint(1, length + 1, (rows, 1), generator=generator)).long()
+        ids = torch.randint(3, 50, (rows, width), generator=generator)
+        responses = torch.randint(3, 50, (rows, length), generator=generator)
+        batch, _ = pack_groups(ids, prompt_mask, responses, response_mask, prompt_of_row)
+        assert packed_group_shape(prompt_mask, response_mask, prompt_of_row) == tuple(batch.input_ids.shape)
 
 
 def test_token_logprobs_read_the_right_positions():
@@ -426,13 +451,20 @@ def test_shared_prefix_setting_is_checked_and_honoured(tiny_dir, tmp_path, capsy
 # --------------------------------------------------------------------------------------------------
 
 
-def test_grpo_passes_packed_equal_padded(tiny_dir):
+# packing never pays here (attention priced out), so auto takes the prompt-cache path
+PROMPT_CACHE = dict(enabled=True, prompt_cache=True, params=1, attention_width=10**9)
+
+
+@pytest.mark.parametrize("layout", ["packed", "prompt_cache"])
+def test_grpo_passes_packed_equal_padded(tiny_dir, layout):
     """On a real rollout (2 prompts of different lengths × 4 samples, some ending early at EOS), the
-    policy's log-probs, entropies and gradient and the reference's log-probs equal the padded passes'."""
+    policy's log-probs, entropies and gradient and the reference's log-probs equal the padded passes':
+    with the samples packed behind their prompt, and with each prompt run once and its samples
+    continuing its KV cache (``prompt_cache``, GRPO's auto where packing does not pay)."""
     from posttrain.models import Reference, load_tokenizer
     from posttrain.rollout import HFEngine, SamplingParams
     from posttrain.trainers.online import policy_logprobs, reference_logprobs
-    from posttrain.trainers.prefix import SharedPrefix
+    from posttrain.trainers.prefix import SharedPrefix, packed_rollout_rows, prompt_cache_applies
 
     model = load_causal_lm(ModelConfig(path=str(tiny_dir / "policy"), device="cpu"))
     tokenizer = load_tokenizer(str(tiny_dir / "policy"))
@@ -440,8 +472,10 @@ def test_grpo_passes_packed_equal_padded(tiny_dir):
     prompts = [tokenizer("12+34=").input_ids, tokenizer("5+6=").input_ids]
     rollout = HFEngine(model, tokenizer).generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.3), n=4)
     assert len(set(rollout.response_lengths.tolist())) > 1  # ragged responses
-    shared = SharedPrefix(**ALWAYS)
+    shared = SharedPrefix(**(ALWAYS if layout == "packed" else PROMPT_CACHE))
     reference = Reference(model=load_causal_lm(ModelConfig(path=str(tiny_dir / "policy"), device="cpu")))
+    assert (packed_rollout_rows(rollout, slice(0, 8), shared) is None) == (layout == "prompt_cache")
+    assert prompt_cache_applies(model, shared) == (layout == "prompt_cache")
     valid = rollout.response_mask.bool()
     results = {}
     for name, setting in (("padded", None), ("packed", shared)):
@@ -465,8 +499,31 @@ def test_grpo_passes_packed_equal_padded(tiny_dir):
     _assert_grads_close(grads["packed"], grads["padded"])
 
 
-def test_grpo_packed_run_equals_unpacked_run(tiny_dir, tmp_path):
+def test_prompt_cache_stays_off_under_gradient_checkpointing(tiny_dir):
+    """A checkpointed training forward turns the KV cache off, so the prompt-cache passes fall back to
+    the padded layout there."""
+    from posttrain.trainers.prefix import SharedPrefix, prompt_cache_applies
+
+    config = ModelConfig(path=str(tiny_dir / "policy"), device="cpu")
+    shared = SharedPrefix(**PROMPT_CACHE)
+    assert prompt_cache_applies(load_causal_lm(config), shared)
+    checkpointed = load_causal_lm(ModelConfig(path=config.path, device="cpu", gradient_checkpointing=True))
+    assert not prompt_cache_applies(checkpointed, shared)
+    assert not prompt_cache_applies(load_causal_lm(config), SharedPrefix(**ALWAYS))
+
+
+def test_grpo_packed_run_equals_unpacked_run(tiny_dir, tmp_path, monkeypatch):
+    """2 GRPO steps packed (true), padded (false) and with the prompt cache (auto where packing does
+    not pay; here the cost rule is told it never does): the same samples and rewards, first-minibatch
+    ratio 1, KL, loss and entropy within 1e-5, final weights within float rounding."""
     from safetensors.torch import load_file
+
+    from posttrain.trainers import online
+    from posttrain.trainers.prefix import SharedPrefix
+
+    cached_passes = []
+    real = online.prompt_cached_logprobs
+    monkeypatch.setattr(online, "prompt_cached_logprobs", lambda *a, **k: cached_passes.append(1) or real(*a, **k))
 
     from posttrain.data.synthetic import arithmetic_sft
     from posttrain.trainers import grpo
@@ -477,7 +534,7 @@ def test_grpo_packed_run_equals_unpacked_run(tiny_dir, tmp_path):
         tmp_path / "prompts.jsonl", [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(32, seed=1)]
     )
     runs = {}
-    for setting in ("true", "false"):
+    for setting in ("true", "false", "auto"):
         config = load_config(
             grpo.GRPOConfig,
             None,
@@ -500,10 +557,19 @@ def test_grpo_packed_run_equals_unpacked_run(tiny_dir, tmp_path):
                 f"shared_prefix={setting}",
             ],
         )
+        before = len(cached_passes)
+        if setting == "auto":
+            monkeypatch.setattr(SharedPrefix, "pays", lambda self, *shapes: False)
         grpo.train(config)
+        assert (len(cached_passes) > before) == (setting == "auto")  # 2 steps × (policy + reference)
         out = config.run.output_dir
         runs[setting] = (read_metrics(out), load_file(f"{out}/final/policy/model.safetensors"))
-    (metrics_a, weights_a), (metrics_b, weights_b) = runs["true"], runs["false"]
+    for layout in ("true", "auto"):
+        _assert_grpo_runs_agree(runs[layout], runs["false"])
+
+
+def _assert_grpo_runs_agree(run_a, run_b) -> None:
+    (metrics_a, weights_a), (metrics_b, weights_b) = run_a, run_b
     for a, b in zip(metrics_a, metrics_b, strict=True):
         assert a["reward/mean"] == b["reward/mean"]  # the same samples: generation is not packed
         assert (

@@ -212,6 +212,28 @@ def pack_groups(
     return pack_shared_prefix(prompts, responses, pad_id), response_of_row
 
 
+def packed_group_shape(
+    prompt_mask: torch.Tensor, response_mask: torch.Tensor, prompt_index: torch.Tensor
+) -> tuple[int, int] | None:
+    """(rows, length) of ``pack_groups``' batch for these rows, without building it: one row per
+    distinct ``prompt_index``, as long as the longest prompt + Σ responses of a group; None where
+    ``pack_groups`` returns None (a row without a response token). What ``forward_cost`` needs to
+    decide whether packing pays, at the cost of two sums (issue 13: the decision ran on every
+    micro-batch and built the packed tensors only to compare their shape).
+
+    prompt_mask [B, P_len], response_mask [B, T], prompt_index [B] as in ``pack_groups``.
+    """
+    lengths = response_mask.sum(1)
+    if len(lengths) == 0 or int(lengths.min()) == 0:
+        return None
+    groups, inverse = torch.unique(prompt_index, return_inverse=True)
+    totals = torch.zeros(len(groups), dtype=lengths.dtype).index_add_(0, inverse, lengths)
+    first = torch.full((len(groups),), len(lengths), dtype=torch.long).scatter_reduce_(
+        0, inverse, torch.arange(len(lengths)), "amin"
+    )
+    return len(groups), int((prompt_mask.sum(1)[first] + totals).max())
+
+
 def response_last_positions(batch: SharedPrefixBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [N], positions [N]) of each response's last token: where a reward model reads its score."""
     return batch.response_rows, batch.response_starts + batch.response_lengths - 1

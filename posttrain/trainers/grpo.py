@@ -168,7 +168,8 @@ class GRPOConfig:
     prompt once, then its responses, each attending to the prompt and to itself only. auto: when the
     model takes such a 4-D attention mask exactly and a micro-batch's packed rows cost fewer FLOPs
     (rarely with short prompts and long responses: the G responses make one long row, and the
-    dense mask computes attention over all of it); true: always; false: never."""
+    dense mask computes attention over all of it); otherwise, on one process, each prompt once with
+    its samples run as continuations of its KV cache; true: always packed rows; false: never."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (eval.path or data.eval_fraction) every run.eval_every steps and at the end."""
     alerts: AlertConfig = field(default_factory=AlertConfig)
@@ -292,6 +293,10 @@ class GRPOTrainer(OnlineTrainer):
         self.shared = resolve_shared_prefix(
             config.shared_prefix, [policy, *separate], lambda x: acc.print(f"[grpo] {x}")
         )
+        # auto, where packing does not pay: each prompt once, its samples continuing its KV cache. One
+        # process only: under DDP the pass's two forwards would meet its one-forward-per-backward hooks
+        if config.shared_prefix == "auto" and self.shared.enabled and acc.num_processes == 1:
+            self.shared.prompt_cache = not engines.is_deepspeed(acc)
         updates = self.total_steps * config.num_iterations * config.minibatches
         optimizer, scheduler = build_optimizer(
             [p for p in policy.parameters() if p.requires_grad], config.optim, updates

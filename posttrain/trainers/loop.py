@@ -301,6 +301,8 @@ def evaluate_offline(accelerator, task: Task, model, examples: list, micro: int)
 
 def global_sum(accelerator, value) -> float:
     """Σ of ``value`` over every process, in float64."""
+    if accelerator.num_processes == 1:  # nothing to reduce: no float64 tensor and collective dispatch (~50 a step)
+        return float(value)
     tensor = torch.as_tensor(value, dtype=torch.float64, device=accelerator.device)
     return float(accelerator.reduce(tensor, reduction="sum"))
 

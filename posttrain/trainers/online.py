@@ -22,7 +22,13 @@ import torch
 
 from posttrain.core import aggregation_units, masked_whiten, truncated_importance_weights
 from posttrain.data import PromptExample, check_columns, load_prompts
-from posttrain.models import Reference, load_tokenizer, response_logprobs, shared_prefix_logprobs
+from posttrain.models import (
+    Reference,
+    load_tokenizer,
+    prompt_cached_logprobs,
+    response_logprobs,
+    shared_prefix_logprobs,
+)
 from posttrain.monitor import RunMonitor
 from posttrain.rewards import reward_columns
 from posttrain.rollout import Rollout, RolloutConfig, RolloutEngine, SamplingParams, build_engine
@@ -40,7 +46,7 @@ from posttrain.trainers.loop import (
     split_train_eval,
     start_run,
 )
-from posttrain.trainers.prefix import SharedPrefix, packed_rollout_rows, unpack_rows
+from posttrain.trainers.prefix import SharedPrefix, packed_rollout_rows, prompt_cache_applies, unpack_rows
 
 
 class OnlineTrainer:
@@ -385,7 +391,17 @@ def reference_logprobs(
     parts = []
     for s in micro_slices(len(rollout), micro_batch_size):
         packed = packed_rollout_rows(rollout, s, shared)
-        if packed is None:
+        if packed is None and prompt_cache_applies(reference.model or reference.policy, shared):
+            parts.append(
+                reference.prompt_cached_logprobs(
+                    rollout.prompt_ids[s],
+                    rollout.prompt_mask[s],
+                    rollout.response_ids[s],
+                    rollout.prompt_index[s],
+                    rollout.temperature,
+                ).to(device)
+            )
+        elif packed is None:
             parts.append(reference.logprobs(ids[s], mask[s], rollout.response_length, rollout.temperature))
         else:
             batch, response_of_row = packed
@@ -413,6 +429,15 @@ def policy_logprobs(
         )
         length = rollout.response_length
         return unpack_rows(logprobs, response_of_row, length), unpack_rows(entropy, response_of_row, length)
+    if prompt_cache_applies(model, shared):
+        return prompt_cached_logprobs(
+            model,
+            *(t[rows].to(device) for t in (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids)),
+            rollout.prompt_index[rows].to(device),
+            temperature=rollout.temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )
     return response_logprobs(
         model,
         rollout.input_ids[rows].to(device),
@@ -475,6 +500,8 @@ def gather_whiten(accelerator, values: torch.Tensor, mask: torch.Tensor, shift_m
 
 
 def global_min(accelerator, value: int) -> int:
+    if accelerator.num_processes == 1:
+        return int(value)
     tensor = torch.tensor([value], dtype=torch.long, device=accelerator.device)
     return int(accelerator.gather(tensor).min())
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from posttrain.core import SharedPrefixBatch, forward_cost, pack_groups
+from posttrain.core import SharedPrefixBatch, forward_cost, pack_groups, packed_group_shape
 from posttrain.models import shared_prefix_unsupported
 from posttrain.rollout import Rollout
 
@@ -37,6 +37,9 @@ class SharedPrefix:
     always: bool = False
     params: int = 0
     attention_width: int = 0
+    prompt_cache: bool = False
+    """GRPO under auto: where packing does not pay, run each distinct prompt of a micro-batch once and
+    its samples as a continuation of its KV cache (``models.prompt_cached_logprobs``)."""
 
     def pays(self, padded_rows: int, padded_length: int, packed_rows: int, packed_length: int) -> bool:
         """Pack this micro-batch? ``padded_*``: one row per response; ``packed_*``: one row per prompt."""
@@ -87,19 +90,26 @@ def packed_rollout_rows(
     and the packed response of each row; None when ``shared`` is off or does not pay for these rows."""
     if shared is None or not shared.enabled:
         return None
-    packed = pack_groups(
+    if not shared.always:  # decide from the shapes alone; build the packed batch only when it pays
+        shape = packed_group_shape(rollout.prompt_mask[rows], rollout.response_mask[rows], rollout.prompt_index[rows])
+        if shape is None or not shared.pays(*rollout.input_ids[rows].shape, *shape):
+            return None
+    return pack_groups(
         rollout.prompt_ids[rows],
         rollout.prompt_mask[rows],
         rollout.response_ids[rows],
         rollout.response_mask[rows],
         rollout.prompt_index[rows],
     )
-    if packed is None:
-        return None
-    rows_in, width = rollout.input_ids[rows].shape
-    if not shared.pays(rows_in, width, *packed[0].input_ids.shape):
-        return None
-    return packed
+
+
+def prompt_cache_applies(model: nn.Module, shared: SharedPrefix | None) -> bool:
+    """Run these rows with each prompt once through the KV cache? Only with ``shared.prompt_cache`` and
+    without gradient checkpointing (which turns the cache off in a training forward)."""
+    if shared is None or not shared.prompt_cache:
+        return False
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers ≥ 5.x's name
+    return not (getattr(model, "is_gradient_checkpointing", False) if checkpointing is None else checkpointing)
 
 
 def unpack_rows(values: torch.Tensor | None, response_of_row: torch.Tensor, response_length: int):
