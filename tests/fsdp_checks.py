@@ -2,7 +2,7 @@
 (tests/test_fsdp.py starts it on two CPU processes with ``accelerate launch --config_file
 examples/accelerate/fsdp2.yaml``; one start-up for everything).
 
-    fsdp_checks.py TINY_DIR PROMPTS OUTPUT_DIR RUNS_JSON
+    fsdp_checks.py TINY_DIR RUNS_JSON
 
 Prints one JSON line from the main process: {check: value, "processes": [processes of each run]}.
 """
@@ -19,7 +19,6 @@ from pathlib import Path
 
 import ddp_driver
 import torch
-from deepspeed_checks import vllm_under_zero3_is_refused
 from torch.distributed.fsdp import FSDPModule
 
 from posttrain.models import ModelConfig, load_policy, load_reward_model, sequence_scores
@@ -144,12 +143,11 @@ def refusals(out: dict) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    tiny, prompts, output_dir, runs = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    tiny, runs = Path(sys.argv[1]), sys.argv[2]
     accelerator = engines.build_accelerator(RunConfig())
     results = {"engine": engines.describe(accelerator)}
     sharded_roles(accelerator, tiny, results)
     refusals(results)
-    vllm_under_zero3_is_refused(accelerator, results, str(tiny / "policy"), prompts, output_dir)
     results["processes"] = ddp_driver.run(json.loads(Path(runs).read_text()))
     if accelerator.is_main_process:
         print(json.dumps(results), flush=True)

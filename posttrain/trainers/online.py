@@ -91,11 +91,6 @@ class OnlineTrainer:
 
     def start_engine(self, policy) -> None:
         """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
-        if engines.zero_stage(self.accelerator) == 3 and self.config.rollout.engine == "vllm":
-            raise ValueError(
-                "rollout.engine=vllm under DeepSpeed ZeRO-3: handing sharded weights to vLLM is not built; "
-                "use rollout.engine=hf or lean, ZeRO-2 (examples/accelerate/zero2.yaml) or FSDP2 (fsdp2.yaml)"
-            )
         self.policy = policy
         self.accelerator.print(f"[{self.name}] rollout: {self.config.rollout.describe()}")
         self.engine = build_engine(
@@ -144,7 +139,7 @@ class OnlineTrainer:
         start_step = 0 if state is None else self.load_state(state)
         if state is not None:
             self.monitor.resume(cfg.run.output_dir)
-        self.engine.sync_weights(self.policy)  # a resumed policy is not the checkpoint the engine loaded
+        self.sync_weights()  # a resumed policy is not the checkpoint the engine loaded
         metrics: dict = {}
         for step in range(start_step, self.total_steps):
             t0, timer = time.perf_counter(), PhaseTimer()
@@ -156,7 +151,7 @@ class OnlineTrainer:
                 self.save_if_due(step + 1)
                 continue
             with timer("sync_weights"):
-                self.engine.sync_weights(self.policy)
+                self.sync_weights()
             metrics["lr"] = lr
             self.end_step(step + 1, metrics, rollout, scores, timer.read(time.perf_counter() - t0), callbacks)
         self.logger.close()
@@ -168,6 +163,14 @@ class OnlineTrainer:
             "processes": acc.num_processes,
             **self.state(),
         }
+
+    def sync_weights(self) -> None:
+        """Hand the rollout engine the policy's current weights (a no-op for hf/lean, which sample from
+        the module itself). Under ZeRO-3 the shards are gathered whole for the hand-over (a collective)
+        and released after; FSDP2's shards are gathered by ``policy_weights`` itself."""
+        gather = self.config.rollout.engine == "vllm" and engines.zero_stage(self.accelerator) == 3
+        with engines.full_parameters(self.accelerator, self.actor.model) if gather else contextlib.nullcontext():
+            self.engine.sync_weights(self.policy)
 
     def end_step(self, done: int, metrics: dict, rollout: Rollout, scores, times: dict, callbacks) -> None:
         """The tail of every step: response, time and throughput metrics; ``samples.jsonl``; held-out
