@@ -226,14 +226,17 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain.data import DataError, NoUsableRows
     from posttrain.trainers.checkpoint import NonFiniteError
 
+    # the process group is torn down after a run and after the errors every process raises together;
+    # not after any other error, where the other processes may still be inside a collective
     try:
         result = module.train(config)
     except (DataError, NoUsableRows) as err:  # bad data: one line naming file, line and field
+        _end_distributed()
         parser.exit(2, f"posttrain {args.command}: error: {err}\n")
     except NonFiniteError as err:  # the run stopped itself, saying why: no traceback
-        parser.exit(1, f"posttrain {args.command}: stopped: {err}\n")
-    finally:
         _end_distributed()
+        parser.exit(1, f"posttrain {args.command}: stopped: {err}\n")
+    _end_distributed()
     if int(os.environ.get("RANK", "0")) != 0:  # one summary per run, from the main process
         return 0
     summary = {

@@ -56,6 +56,13 @@ def sharded_roles(accelerator, tiny: Path, out: dict) -> None:
         reward = engines.prepare_frozen(accelerator, reward)
         out["reward_local_share"] = _local_share(reward)
         out["reward_score_diff"] = float((sequence_scores(reward, ids, mask) - want).abs().max())
+    # a role of another architecture than the policy (its own block classes: Qwen2DecoderLayer)
+    other = load_policy(replace(config, path=str(tiny / "qwen2")))
+    with torch.no_grad():
+        want = other(input_ids=ids).logits
+        other = engines.prepare_frozen(accelerator, other)
+        out["other_arch_local_share"] = _local_share(other)
+        out["other_arch_forward_diff"] = float((other(input_ids=ids).logits - want).abs().max())
     generation(accelerator, policy, plain, out)
     non_finite(accelerator, policy, optimizer, out)
 
@@ -141,6 +148,25 @@ def refusals(out: dict) -> None:
                 os.environ[key] = saved
 
 
+def lora_vllm_refused(accelerator, tiny: Path, folder: Path, out: dict) -> None:
+    """rollout.engine=vllm with a LoRA policy under FSDP2 stops at start naming both: merging sharded
+    adapters for vLLM is not built (vLLM would otherwise receive the base weights' shards)."""
+    from posttrain.trainers.config import load_config
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    data = folder / f"lora_vllm_prompts.{accelerator.process_index}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    overrides = [f"model.path={tiny / 'policy'}", f"data.path={data}", "data.chat_template=never"]
+    overrides += ["model.lora={r: 4, target_modules: [q_proj, v_proj]}", "rollout.engine=vllm", "num_generations=2"]
+    overrides += ["rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]", "run.report_to=[jsonl]"]
+    overrides += [f"run.output_dir={folder / 'lora_vllm'}", "run.batch_size=4", "run.micro_batch_size=2"]
+    try:
+        GRPOTrainer(load_config(GRPOConfig, None, overrides))
+        out["lora_vllm_refused"] = None
+    except ValueError as error:
+        out["lora_vllm_refused"] = str(error)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     tiny, runs = Path(sys.argv[1]), sys.argv[2]
@@ -148,6 +174,7 @@ if __name__ == "__main__":
     results = {"engine": engines.describe(accelerator)}
     sharded_roles(accelerator, tiny, results)
     refusals(results)
+    lora_vllm_refused(accelerator, tiny, Path(runs).parent, results)
     results["processes"] = ddp_driver.run(json.loads(Path(runs).read_text()))
     if accelerator.is_main_process:
         print(json.dumps(results), flush=True)

@@ -101,13 +101,15 @@ def test_fsdp2_is_really_on_and_shards_every_role(fsdp_run):
     unshards once (one all-gather per FSDP unit, none per token, though the processes generate 2 and 9
     tokens) and leaves the policy sharded; the gradient norm is a number the guard reads."""
     root, two, resume, checks, stdout = fsdp_run
-    runs = len(two) + 2 * len(resume) + 1  # + the checks' own accelerator
+    runs = len(two) + 2 * len(resume) + 2  # + the checks' own accelerator and their LoRA + vLLM trainer
     assert stdout.count("[engine] FSDP2 on CPU over gloo") == runs
     assert checks["engine"] == "FSDP2, 2 process(es) on cpu"
     assert stdout.count("training engine: FSDP2, 2 process(es) on cpu") >= 5  # the online trainers print it
     assert checks["trained_local_share"] == 0.5 and checks["frozen_local_share"] == 0.5
     assert checks["reward_local_share"] == pytest.approx(0.5, abs=0.01)  # its 1-row score head sits on one process
     assert checks["frozen_forward_diff"] == 0.0 and checks["reward_score_diff"] == 0.0
+    # a frozen role of another architecture (qwen2 beside the llama policy) is sharded by its own blocks
+    assert checks["other_arch_local_share"] == 0.5 and checks["other_arch_forward_diff"] == 0.0
     assert checks["generated_lengths"] == [6, 13] and checks["generation_equal"]
     assert checks["whole_during_generation"] and checks["sharded_after_generation"] == 0.5
     assert checks["gathers_during_generation"] == [checks["fsdp_param_groups"]] * 2
@@ -117,6 +119,7 @@ def test_fsdp2_is_really_on_and_shards_every_role(fsdp_run):
     assert checks["skipped_unchanged"] and checks["skips"] == 2
     assert "fsdp_version: 2" in checks["fsdp1_refused"]
     assert "cpu_ram_efficient_loading" in checks["ram_refused"]
+    assert "LoRA" in checks["lora_vllm_refused"] and "FSDP2" in checks["lora_vllm_refused"]
 
 
 def test_every_trainer_under_fsdp2_matches_one_plain_process(fsdp_run, tiny_dir):

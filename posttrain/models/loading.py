@@ -133,7 +133,7 @@ def _from_pretrained(auto_class, config: ModelConfig, **extra):
     disable_dropout(model)
     model.to(config.resolved_device())
     if config.gradient_checkpointing:
-        # transformers >= 5.2x renamed it; .venv-vllm pins an older 5.x that has only the old name
+        # newer transformers (5.24) renamed it; .venv-vllm's 5.19 has only the old name
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -96,8 +96,7 @@ def _fsdp_plugin():
             f"FSDP version {version} requested: posttrain supports FSDP2 (torch fully_shard) only; "
             "set fsdp_version: 2 in the accelerate config (examples/accelerate/fsdp2.yaml)"
         )
-    plugin = FullyShardedDataParallelPlugin()
-    return plugin
+    return FullyShardedDataParallelPlugin()
 
 
 def build_accelerator(run: RunConfig):
@@ -248,8 +247,8 @@ def prepare(accelerator, model: torch.nn.Module, optimizer):
     no ``_no_split_modules`` of its own), and the root unit is fixed (``_fsdp_root``)."""
     if not is_fsdp(accelerator):
         return accelerator.prepare(model, optimizer)
-    _fsdp_units(accelerator, model, frozen=False)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    with _fsdp_units(accelerator, model, frozen=False):
+        model, optimizer = accelerator.prepare(model, optimizer)
     return _fsdp_root(model), optimizer
 
 
@@ -261,15 +260,19 @@ def _fsdp_root(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _fsdp_units(accelerator, model: torch.nn.Module, frozen: bool) -> None:
-    """Before accelerate shards ``model``: the transformer blocks to shard one by one (``prepare``), and
+@contextlib.contextmanager
+def _fsdp_units(accelerator, model: torch.nn.Module, frozen: bool):
+    """Around accelerate sharding ``model``: the transformer blocks to shard one by one (``prepare``), and
     for a ``frozen`` role each ``score`` head (a reward model's) as a unit of its own: ``models.roles``
     calls the head directly, outside the model's forward, where the root unit's parameters stay sharded
-    (a trained critic runs it inside its wrapper's forward)."""
+    (a trained critic runs it inside its wrapper's forward). The block classes are this model's when the
+    accelerate config names none, and unset again after: the one plugin serves every role, and a reward
+    model or critic of another architecture than the policy has other block classes."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     plugin = accelerator.state.fsdp_plugin
-    if plugin.transformer_cls_names_to_wrap is None:
+    named = plugin.transformer_cls_names_to_wrap
+    if named is None:
         inner = next((m for m in model.modules() if getattr(m, "_no_split_modules", None)), None)
         if inner is not None:
             plugin.transformer_cls_names_to_wrap = list(inner._no_split_modules)
@@ -278,6 +281,10 @@ def _fsdp_units(accelerator, model: torch.nn.Module, frozen: bool) -> None:
         if not isinstance(head, FSDPModule):
             mp = plugin.mixed_precision_policy or MixedPrecisionPolicy()
             fully_shard(head, reshard_after_forward=False, offload_policy=plugin.cpu_offload, mp_policy=mp)
+    try:
+        yield
+    finally:
+        plugin.transformer_cls_names_to_wrap = named
 
 
 def grad_norm(accelerator, params: list, max_norm: float | None) -> float:
@@ -329,8 +336,9 @@ def prepare_frozen(accelerator, model: torch.nn.Module, device: str | None = Non
             )
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-        _fsdp_units(accelerator, model, frozen=True)
-        return _fsdp_root(fsdp2_prepare_model(accelerator, model.requires_grad_(False)).eval())
+        with _fsdp_units(accelerator, model, frozen=True):
+            sharded = fsdp2_prepare_model(accelerator, model.requires_grad_(False)).eval()
+        return _fsdp_root(sharded)
     if zero_stage(accelerator) != 3:
         return model.to(device or accelerator.device)
     if device is not None:
@@ -386,8 +394,8 @@ def build_reference(
 @contextlib.contextmanager
 def full_parameters(accelerator, model):
     """Every parameter of the prepared ``model`` whole on this process for the duration (one rollout's
-    generation from a ZeRO-3 policy), released after; other engines hold them whole already. Yields the
-    module to call.
+    generation from a ZeRO-3 or FSDP2 policy), released after; DDP and ZeRO-2 hold them whole already.
+    Yields the module to call.
 
     ZeRO-3: DeepSpeed's own ``unwrap_model_for_generation`` gathers the shards once and takes the
     engine's forward hooks off meanwhile (they would release each layer after its forward and gather it

@@ -168,8 +168,9 @@ class GRPOConfig:
     prompt once, then its responses, each attending to the prompt and to itself only. auto: when the
     model takes such a 4-D attention mask exactly and a micro-batch's packed rows cost fewer FLOPs
     (rarely with short prompts and long responses: the G responses make one long row, and the
-    dense mask computes attention over all of it); otherwise, on one process, each prompt once with
-    its samples run as continuations of its KV cache; true: always packed rows; false: never."""
+    dense mask computes attention over all of it); otherwise, on one process without DeepSpeed or
+    gradient checkpointing, each prompt once with its samples run as continuations of its KV cache;
+    true: always packed rows; false: never."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (eval.path or data.eval_fraction) every run.eval_every steps and at the end."""
     alerts: AlertConfig = field(default_factory=AlertConfig)

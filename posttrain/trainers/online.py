@@ -24,6 +24,7 @@ from posttrain.core import aggregation_units, masked_whiten, truncated_importanc
 from posttrain.data import PromptExample, check_columns, load_prompts
 from posttrain.models import (
     Reference,
+    is_peft_model,
     load_tokenizer,
     prompt_cached_logprobs,
     response_logprobs,
@@ -91,6 +92,11 @@ class OnlineTrainer:
 
     def start_engine(self, policy) -> None:
         """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
+        if self.config.rollout.engine == "vllm" and engines.is_fsdp(self.accelerator) and is_peft_model(policy):
+            raise ValueError(
+                "rollout.engine=vllm with a LoRA policy (model.lora) under FSDP2: merging sharded adapters for vLLM "
+                "is not built; use rollout.engine=hf or lean, or DeepSpeed ZeRO-2/3 (examples/accelerate/zero*.yaml)"
+            )
         self.policy = policy
         self.accelerator.print(f"[{self.name}] rollout: {self.config.rollout.describe()}")
         self.engine = build_engine(
@@ -167,8 +173,11 @@ class OnlineTrainer:
     def sync_weights(self) -> None:
         """Hand the rollout engine the policy's current weights (a no-op for hf/lean, which sample from
         the module itself). Under ZeRO-3 the shards are gathered whole for the hand-over (a collective)
-        and released after; FSDP2's shards are gathered by ``policy_weights`` itself."""
-        gather = self.config.rollout.engine == "vllm" and engines.zero_stage(self.accelerator) == 3
+        and released after; FSDP2's shards are gathered by ``policy_weights`` itself. A sleeping colocated
+        vLLM takes the weights when it wakes for a rollout (inside ``generate``'s gather) instead."""
+        rollout = self.config.rollout
+        sleeping = rollout.mode == "colocate" and rollout.sleep
+        gather = rollout.engine == "vllm" and not sleeping and engines.zero_stage(self.accelerator) == 3
         with engines.full_parameters(self.accelerator, self.actor.model) if gather else contextlib.nullcontext():
             self.engine.sync_weights(self.policy)
 
@@ -181,8 +190,10 @@ class OnlineTrainer:
         metrics["train/nonfinite_skips"] = self.nonfinite_skips()
         metrics["tokens_per_s"] = metrics["tokens_generated"] / times["time/step"]
         write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
-        evaluating = self.monitor.evaluating(done, self.total_steps)  # generates: the policy whole (sharded engines)
-        with engines.full_parameters(acc, self.actor.model) if evaluating else contextlib.nullcontext():
+        with contextlib.ExitStack() as generating:
+            if self.monitor.evaluating(done, self.total_steps):  # held-out generation through the engine:
+                generating.enter_context(engines.full_parameters(acc, self.actor.model))  # the policy whole
+                generating.enter_context(self.engine.generating(self.policy))  # a sleeping vLLM awake
             metrics.update(self.monitor.after_step(self.engine, done, self.total_steps, metrics))
         if done % cfg.run.log_every == 0 or done == self.total_steps or "time/eval" in metrics:
             self.logger.log(done, metrics, (*self.BAR_KEYS, *self.monitor.bar_keys))
@@ -394,7 +405,8 @@ def reference_logprobs(
     parts = []
     for s in micro_slices(len(rollout), micro_batch_size):
         packed = packed_rollout_rows(rollout, s, shared)
-        if packed is None and prompt_cache_applies(reference.model or reference.policy, shared):
+        model = reference.model if reference.model is not None else reference.policy
+        if packed is None and prompt_cache_applies(model, shared):
             parts.append(
                 reference.prompt_cached_logprobs(
                     rollout.prompt_ids[s],

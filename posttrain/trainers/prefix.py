@@ -108,7 +108,7 @@ def prompt_cache_applies(model: nn.Module, shared: SharedPrefix | None) -> bool:
     without gradient checkpointing (which turns the cache off in a training forward)."""
     if shared is None or not shared.prompt_cache:
         return False
-    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers ≥ 5.x's name
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # newer transformers' name (5.24; not 5.19)
     return not (getattr(model, "is_gradient_checkpointing", False) if checkpointing is None else checkpointing)
 
 
