@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,9 @@ def test_grpo_under_fsdp2_on_two_processes_against_a_vllm_server(tiny_dir, tmp_p
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-4, r
+    # one hand-over per sync for both processes (at the start and after each of the 3 steps), not one each
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as answer:
+        assert json.loads(answer.read())["weight_loads"] == 4
 
 
 def test_ppo_two_steps_with_colocated_vllm(tiny_dir, tmp_path):

@@ -3,7 +3,7 @@
 Split generation, as TRL's and verl's server modes do: the server holds a ``VLLMEngine`` (on other
 GPUs in production, on CPU in the tests) and the trainer talks to it over HTTP:
 
-    GET  /health        → {"model": path}
+    GET  /health        → {"model": path, "weight_loads": hand-overs served}
     POST /generate      {"prompts": [[id, ...]], "params": {SamplingParams fields}, "n": G}
                         → {"completions": [{"token_ids", "logprobs", "stopped"}], "stop_ids": [...]}
     POST /load_weights  body: the weights as safetensors bytes → {"tensors": count}
@@ -62,12 +62,19 @@ class VLLMServerEngine:
             ) from err
 
     def sync_weights(self, policy: nn.Module) -> None:
-        """Send the policy's weights (merged for LoRA) to the server."""
+        """Send the policy's weights (merged for LoRA) to the server. With several training processes
+        (one server for all) the first process sends them once, and no process samples before they are in."""
+        import torch.distributed as dist
         from safetensors.torch import save
 
-        # clones: safetensors refuses tensors that share storage (tied embeddings)
-        blob = save({name: tensor.detach().cpu().contiguous().clone() for name, tensor in policy_weights(policy)})
-        self._call("/load_weights", blob, "application/octet-stream")
+        weights = policy_weights(policy)  # on every process: gathering FSDP2 shards is a collective
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        if not several or dist.get_rank() == 0:
+            # clones: safetensors refuses tensors that share storage (tied embeddings)
+            blob = save({name: tensor.detach().cpu().contiguous().clone() for name, tensor in weights})
+            self._call("/load_weights", blob, "application/octet-stream")
+        if several:
+            dist.barrier()
 
     def generating(self, policy: nn.Module):
         return contextlib.nullcontext()
@@ -90,6 +97,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, **engine_kwargs
 
     engine = VLLMEngine(model, load_tokenizer(model), **engine_kwargs)
 
+    loads = [0]  # weight hand-overs served (/health reports it)
+
     class Handler(BaseHTTPRequestHandler):
         def _answer(self, code: int, payload: dict) -> None:
             body = json.dumps(payload).encode()
@@ -101,7 +110,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, **engine_kwargs
 
         def do_GET(self):
             if self.path == "/health":
-                self._answer(200, {"model": model})
+                self._answer(200, {"model": model, "weight_loads": loads[0]})
             else:
                 self._answer(404, {"error": f"no GET {self.path}"})
 
@@ -116,6 +125,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, **engine_kwargs
                 elif self.path == "/load_weights":
                     weights = load(body)
                     engine.load(list(weights.items()))
+                    loads[0] += 1
                     self._answer(200, {"tensors": len(weights)})
                 else:
                     self._answer(404, {"error": f"no POST {self.path}"})
