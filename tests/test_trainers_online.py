@@ -329,6 +329,26 @@ def _ppo(tiny_dir, vowel_rm, tmp_path, name, *overrides):
     return load_config(PPOConfig, None, base + list(overrides))
 
 
+def test_ppo_held_out_evaluation_scores_with_the_reward_model_by_default(tiny_dir, vowel_rm, tmp_path):
+    """Without eval.rewards a PPO run evaluates with its training reward, the reward model (it raised
+    "at least one reward function is needed" after loading the models: a new user's finding)."""
+    config = _ppo(
+        tiny_dir,
+        vowel_rm,
+        tmp_path,
+        "ppo_eval",
+        "run.max_steps=1",
+        "run.batch_size=16",
+        "critic=policy",
+        f"eval.path={vowel_rm['prompts']}",
+        "eval.max_prompts=4",
+    )
+    train_ppo(config)
+    (record,) = [r for r in read_metrics(config.run.output_dir) if "eval/greedy/score" in r]
+    assert math.isfinite(record["eval/greedy/reward/reward_model"])
+    assert record["eval/greedy/score"] == record["eval/greedy/reward/reward_model"]
+
+
 def _tail(records, key, n=5):
     return sum(r[key] for r in records[-n:]) / n
 

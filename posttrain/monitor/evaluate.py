@@ -50,7 +50,7 @@ class EvalConfig:
     of the prompts, and no evaluation when that is 0."""
     rewards: list[RewardSpec] = field(default_factory=list)
     """Reward functions for evaluation only (e.g. an exact-match check, another reward model); empty =
-    the training rewards."""
+    the training rewards (in PPO: its reward functions and its reward model)."""
     greedy: bool = True
     """One greedy completion per prompt: accuracy and mean scores at temperature 0."""
     n: int = 0
@@ -116,8 +116,15 @@ class Evaluator:
     @classmethod
     def for_training(cls, config, eval_prompts: list[PromptExample], tokenizer, accelerator) -> Evaluator | None:
         """The evaluator of a PPO/GRPO run: ``config.eval.path`` when set, else ``eval_prompts`` (the
-        ``data.eval_fraction`` split); None when there is nothing to evaluate on."""
-        specs = config.eval.rewards or config.rewards
+        ``data.eval_fraction`` split); None when there is nothing to evaluate on. Without ``eval.rewards``
+        it scores with the training rewards: the reward functions and, in PPO, the reward model."""
+        specs = list(config.eval.rewards or config.rewards)
+        reward_model = getattr(config, "reward_model", None)
+        if not config.eval.rewards and reward_model is not None and reward_model.path:
+            device = str(reward_model.resolved_device())
+            specs.append(
+                RewardSpec("posttrain.rewards.model:reward_model", kwargs={"path": reward_model.path, "device": device})
+            )
         if config.eval.path:
             eval_prompts, report = load_prompts(replace(config.data, path=config.eval.path), tokenizer)
             accelerator.print(f"[eval] held-out prompts: {report.summary()}")
