@@ -51,8 +51,8 @@ def sharded_roles(accelerator, tiny: Path, out: dict) -> None:
         out["frozen_forward_diff"] = float((reference(input_ids=ids).logits - expected).abs().max())
     reward = load_reward_model(replace(config, path=str(tiny / "reward")))
     mask = torch.ones_like(ids)
-    with torch.no_grad():
-        want = sequence_scores(reward, ids, mask)
+    with torch.no_grad():  # the model's own full forward: a sharded layer (hooks) never skips positions
+        want = reward.score(reward.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1])[:, 0]
         reward = engines.prepare_frozen(accelerator, reward)
         out["reward_local_share"] = _local_share(reward)
         out["reward_score_diff"] = float((sequence_scores(reward, ids, mask) - want).abs().max())

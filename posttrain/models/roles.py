@@ -35,6 +35,7 @@ from posttrain.models.loading import (
     load_scalar_model,
     peft_wrapping,
 )
+from posttrain.models.positions import last_positions, positions_per_row, read_positions
 
 REFERENCE_ADAPTER = "reference"
 
@@ -51,20 +52,23 @@ def _logits(
     keep: int,
     position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logits of the last ``keep`` positions (0 = all), [B, keep, V].
+    """Logits of the last ``keep`` positions (0 = all), [B, keep, V]; the last decoder layer runs
+    at those positions only (``models.positions``).
 
     Packed rows pass their own ``position_ids`` and no attention mask: transformers then builds a
     block-diagonal causal mask from the restarts of the position ids.
     """
     if position_ids is not None:
         return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep).logits
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-        logits_to_keep=keep,
-    ).logits
+    read = last_positions(*input_ids.shape, keep, input_ids.device) if keep else None
+    with read_positions(model, read):
+        return model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            logits_to_keep=keep,
+        ).logits
 
 
 def response_logprobs(
@@ -130,14 +134,18 @@ def _hidden_states(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None = None,
+    read: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Last hidden states [B, L, H]; position ids from the 2-D mask unless given (a 4-D mask, packed rows)."""
-    out = _backbone(model)(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
-        use_cache=False,
-    )
+    """Last hidden states [B, L, H]; position ids from the 2-D mask unless given (a 4-D mask, packed
+    rows). ``read`` [B, k]: the only positions the caller reads (``models.positions``: elsewhere the
+    last layer may be skipped, and the states there are not the model's)."""
+    with read_positions(model, read):
+        out = _backbone(model)(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
+            use_cache=False,
+        )
     return out.last_hidden_state  # [B, L, H]
 
 
@@ -160,8 +168,8 @@ def sequence_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     ``reward_normalization = {"mean": m, "std": s}`` (``posttrain rm`` with ``normalize_policy``)
     returns (score − m) / s.
     """
-    hidden = _hidden_states(model, input_ids, attention_mask)
     last = last_valid_index(attention_mask).clamp(min=0)
+    hidden = _hidden_states(model, input_ids, attention_mask, read=last[:, None])
     last_hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
     return _read_scores(model, last_hidden)
 
@@ -175,7 +183,8 @@ def token_values(
     predicts token t (position P + t − 1), aligned with ``response_logprobs``.
     input_ids, attention_mask: [B, L]; returns [B, T] in float32.
     """
-    hidden = _hidden_states(model, input_ids, attention_mask)[:, -response_length - 1 : -1]  # [B, T, H]
+    read = last_positions(*input_ids.shape, response_length + 1, input_ids.device)
+    hidden = _hidden_states(model, input_ids, attention_mask, read=read)[:, -response_length - 1 : -1]  # [B, T, H]
     return _score_head(model)(hidden).squeeze(-1).float()
 
 
@@ -221,13 +230,14 @@ def shared_prefix_logprobs(
     ``entropy_grad``).
     """
     keep = batch.input_ids.shape[1] - batch.first_logit_position
-    logits = model(
-        input_ids=batch.input_ids,
-        attention_mask=_packed_attention_mask(model, batch),
-        position_ids=batch.position_ids,
-        use_cache=False,
-        logits_to_keep=keep,
-    ).logits  # [R, keep, V]
+    with read_positions(model, last_positions(*batch.input_ids.shape, keep, batch.input_ids.device)):
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=_packed_attention_mask(model, batch),
+            position_ids=batch.position_ids,
+            use_cache=False,
+            logits_to_keep=keep,
+        ).logits  # [R, keep, V]
     logprobs, response_mask = shared_prefix_token_logprobs(logits, batch, temperature)
     entropy = None
     if with_entropy:
@@ -263,14 +273,15 @@ def prompt_cached_logprobs(
     first = torch.full((len(groups),), len(order), device=order.device).scatter_reduce_(0, group_of_row, order, "amin")
     ids, mask = prompt_ids[first], prompt_mask[first]  # [U, P]
     cache = DynamicCache(config=model.config)
-    prompt_out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=position_ids_from_mask(mask),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    with read_positions(model, last_positions(*ids.shape, 1, ids.device)):  # the cache still gets every key
+        prompt_out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
     logits = prompt_out.logits[:, -1][group_of_row][:, None]  # [b, 1, V]: scores each response's token 0
     if response_ids.shape[1] > 1:
         cache.batch_select_indices(group_of_row)
@@ -296,8 +307,9 @@ def shared_prefix_scores(model: nn.Module, batch: SharedPrefixBatch) -> torch.Te
     in a packed row is the last response's; the backbone's hidden states are read at each
     response's last position instead (``core.packing.response_last_positions``).
     """
-    hidden = _hidden_states(model, batch.input_ids, _packed_attention_mask(model, batch), batch.position_ids)
     rows, positions = response_last_positions(batch)
+    read = positions_per_row(rows, positions, batch.input_ids.shape[0])
+    hidden = _hidden_states(model, batch.input_ids, _packed_attention_mask(model, batch), batch.position_ids, read)
     return _read_scores(model, hidden[rows, positions])
 
 

@@ -1,0 +1,211 @@
+"""The last decoder layer computed only at the positions a pass reads.
+
+A pass that reads a few positions of a sequence (a reward model its last token, a log-prob pass the
+response positions, a critic the states before each response token) still runs every layer at
+every position. Only the last layer can skip positions: the layers below feed the last layer's keys
+and values at every position, but the last layer's outputs are read only where the head reads
+them. There the last layer needs, at every position, its keys and values (input norm and the k / v
+projections: 2·H·H_kv of its ≈ 2·H·(2·H + 2·H_kv) + 6·H·I weights per token), and at the read
+positions alone the queries, attention, output projection and MLP. The result at the read
+positions is the full forward's up to float rounding; elsewhere the layer passes its input through
+(never read).
+
+What that saves is (share of the last layer) × (share of positions not read): a 2-layer model
+scoring one position in 99 (a reward model on a packed pair) skips ~45 % of its forward and
+backward FLOPs; a 24-layer one ~4 %. The saving is exact work removed, not an approximation.
+
+Used for Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3: pre-norm attention with
+q/k/v/o projections and rotary embeddings, then a pre-norm MLP), verified once per model by a probe
+against the model's own forward; any other model, a layer with hooks inside it (DeepSpeed ZeRO-3,
+FSDP1), gradient checkpointing (the recomputation would run the full layer), sliding-window layers
+and attention dropout in training run the full forward unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LLAMA_FAMILY = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The Hugging Face model under accelerate's DDP/FSDP wrappers (``.module``) and a peft wrapper."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _last_layer(model: nn.Module) -> nn.Module | None:
+    """The last decoder layer, when this module can compute it at a subset of positions; else None."""
+    model = _inner(model)
+    backbone = getattr(model, "base_model", None)
+    layers = getattr(backbone, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        return None
+    config = model.config.get_text_config()
+    layer = layers[config.num_hidden_layers - 1]
+    if type(layer).__name__ not in LLAMA_FAMILY:
+        return None
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return None
+    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return None
+    if config._attn_implementation not in ("sdpa", "eager"):
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
+        return None  # an engine's hooks (ZeRO-3 gathers, FSDP1 unshards) must see the layer's own calls
+    return layer
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    model = _inner(model)
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # newer transformers' name
+    return bool(getattr(model, "is_gradient_checkpointing", False) if checkpointing is None else checkpointing)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (Su et al. 2021) in the half-split layout: x·cos + rotate_half(x)·sin; x [B, heads, n, d],
+    cos / sin [B, n, d]."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+def _at_positions(
+    layer: nn.Module,
+    read: torch.Tensor,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cache=None,
+    past_key_values=None,
+    **_,
+) -> torch.Tensor:
+    """A Llama-family decoder layer's forward at the positions ``read`` [B, k] only (the rest of the
+    module docstring). hidden_states: [B, L, H]; attention_mask: the mask transformers hands its
+    layers (None = causal, a 4-D boolean one = True where attended, a 4-D float one = added to the
+    scores); returns [B, L, H], the layer's output at ``read`` and its input elsewhere."""
+    cache = cache if cache is not None else past_key_values
+    attn = layer.self_attn
+    B, L, H = hidden_states.shape
+    d = attn.head_dim
+    k = read.shape[1]
+    cos, sin = position_embeddings  # [B or 1, L, d]
+    cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+    normed = layer.input_layernorm(hidden_states)
+    at = read[..., None]
+    normed_read = normed.gather(1, at.expand(-1, -1, H))  # [B, k, H]
+    query = attn.q_proj(normed_read).view(B, k, -1, d)
+    key = attn.k_proj(normed).view(B, L, -1, d)
+    value = attn.v_proj(normed).view(B, L, -1, d).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3: a per-head RMSNorm before the rotation
+        query, key = attn.q_norm(query), attn.k_norm(key)
+    query = _rotary(query.transpose(1, 2), cos.gather(1, at.expand(-1, -1, d)), sin.gather(1, at.expand(-1, -1, d)))
+    key = _rotary(key.transpose(1, 2), cos, sin)
+    if cache is not None:
+        key, value = cache.update(key, value, attn.layer_idx)
+    keys = torch.arange(key.shape[2], device=read.device)
+    offset = key.shape[2] - L  # keys already in the cache come first
+    if attention_mask is None:
+        mask = keys[None, None, None, :] <= (read + offset)[:, None, :, None]  # causal, [B, 1, k, L']
+    else:
+        rows = read[:, None, :, None].expand(-1, attention_mask.shape[1], -1, attention_mask.shape[-1])
+        mask = attention_mask.expand(B, -1, -1, -1).gather(2, rows)  # the rows of the read queries
+        if mask.dtype != torch.bool:
+            mask = mask.to(query.dtype)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=attn.scaling, enable_gqa=key.shape[1] != query.shape[1]
+    )  # [B, heads, k, d]
+    residual = hidden_states.gather(1, at.expand(-1, -1, H))
+    x = residual + attn.o_proj(out.transpose(1, 2).reshape(B, k, -1))
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return hidden_states.scatter(1, at.expand(-1, -1, H), x)
+
+
+def can_read_positions(model: nn.Module) -> bool:
+    """Whether ``read_positions`` computes less for this model right now (see the module docstring)."""
+    layer = _last_layer(model)
+    if layer is None or _checkpointing(model):
+        return False
+    if layer.training and float(getattr(layer.self_attn, "attention_dropout", 0.0) or 0.0) > 0:
+        return False
+    verdict = getattr(layer, "_posttrain_read_positions_ok", None)
+    if verdict is None:
+        verdict = _probe(model, layer)
+        layer._posttrain_read_positions_ok = verdict
+    return verdict
+
+
+@contextlib.contextmanager
+def read_positions(model: nn.Module, read: torch.Tensor | None) -> Iterator[None]:
+    """Within this block, forwards of ``model`` compute its last decoder layer only at ``read``
+    ([B, k] positions of each row, distinct within a row; None: every position), where
+    ``can_read_positions``; otherwise the block changes nothing."""
+    if read is None or not can_read_positions(model):
+        yield
+        return
+    layer = _last_layer(model)
+    layer.forward = functools.partial(_at_positions, layer, read)  # the instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def last_positions(batch_size: int, length: int, count: int, device) -> torch.Tensor:
+    """[B, count]: the last ``count`` positions of every row (``logits_to_keep = count``)."""
+    return torch.arange(length - count, length, device=device).expand(batch_size, -1)
+
+
+def positions_per_row(rows: torch.Tensor, positions: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[R, k] read positions from (rows [N], positions [N]) pairs, distinct within a row: each row gets
+    its own positions and, to reach the most any row has (k), its first other positions (computed,
+    never read; a packed row's padding attends to itself, so no query there is empty)."""
+    length = int(positions.max()) + 1 if len(positions) else 1
+    marked = torch.zeros((num_rows, length), dtype=torch.bool, device=positions.device)
+    marked[rows, positions] = True
+    count = marked.sum(1)
+    k = int(count.max())
+    length = max(length, k)
+    marked = torch.nn.functional.pad(marked, (0, length - marked.shape[1]))
+    free = ~marked
+    marked |= free & (free.cumsum(1) <= (k - count)[:, None])
+    return marked.nonzero()[:, 1].view(num_rows, k)
+
+
+def _probe(model: nn.Module, layer: nn.Module) -> bool:
+    """The layer at two positions of a short padded batch against the model's full forward: the read
+    positions' last hidden states must agree within 1e-4 (float32) or 3e-2 (half precision) of their scale."""
+    parameter = next(model.parameters())
+    vocab = _inner(model).get_input_embeddings().num_embeddings
+    ids = (torch.arange(14, device=parameter.device).view(2, 7) * 7 + 3) % vocab
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    backbone = _inner(model).base_model
+    read = torch.tensor([[3, 6], [2, 5]], device=parameter.device)
+    tolerance = 1e-4 if parameter.dtype in (torch.float32, torch.float64) else 3e-2
+    # outside any autocast of the caller: the verdict is about the layer, in the weights' own dtype
+    with torch.no_grad(), torch.autocast(parameter.device.type, enabled=False):
+        full = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
+        layer.forward = functools.partial(_at_positions, layer, read)
+        try:
+            part = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        except Exception:
+            return False
+        finally:
+            del layer.forward
+    index = read[..., None].expand(-1, -1, full.shape[-1])
+    got, want = part.last_hidden_state.gather(1, index), full.gather(1, index)
+    error = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+    return error <= tolerance
