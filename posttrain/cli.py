@@ -255,6 +255,7 @@ def _end_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no process tears its connections down while another still uses them
         dist.destroy_process_group()
 
 

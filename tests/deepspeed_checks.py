@@ -94,5 +94,7 @@ if __name__ == "__main__":
     non_finite_loss(accelerator, results)
     if accelerator.is_main_process:
         print(json.dumps(results), flush=True)
-    torch.distributed.destroy_process_group()  # as the CLI does (posttrain.cli._end_distributed)
+    from posttrain.cli import _end_distributed
+
+    _end_distributed()
     sys.exit(0)

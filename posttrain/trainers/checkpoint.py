@@ -12,8 +12,9 @@ Layout of ``<output_dir>/checkpoints/step-000120/``:
 A checkpoint resumes only the run that wrote it: the config may differ in the fields of
 ``RESUMABLE_CHANGES`` alone (how long to train, how often to save and log, where to write), and the
 checkpoint's step must be below the run's total. A changed ``run.max_steps`` (or ``run.epochs``)
-recomputes the learning-rate schedule for the new length. Nothing non-finite is ever written: a
-model with a NaN or inf weight raises ``NonFiniteError`` instead of being saved.
+recomputes the learning-rate schedule for the new length, from the first resumed step on, and the
+resumed run says so. Nothing non-finite is ever written: a model with a NaN or inf weight raises
+``NonFiniteError`` instead of being saved.
 
 A checkpoint is written under ``.tmp-step-000120``, flushed to disk, then renamed: a process killed
 while saving leaves the previous checkpoint as the latest one (docs/pitfalls.md #14).
@@ -80,20 +81,29 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def check_resumable(path: Path, config: dict, total_steps: int) -> None:
+def check_resumable(path: Path, config: dict, total_steps: int) -> list[str]:
     """Refuse to resume ``path`` with a config that differs outside RESUMABLE_CHANGES (naming the
     fields), or when its step is at or past the run's ``total_steps``. ``config``: the resolved config
-    as written to config.yaml."""
+    as written to config.yaml. Returns what the run should print about the changes it accepts: a new
+    length under a decaying learning-rate schedule changes the rate of every step still to come."""
     state = json.loads((path / STATE_FILE).read_text())
     if state["step"] >= total_steps:
         raise ValueError(
             f"run.resume_from: {path} is at step {state['step']}, at or past this run's {total_steps} steps; "
             "raise run.max_steps to train further"
         )
-    if state.get("config_hash", config_hash(config)) == config_hash(config):  # checkpoints before the hash: no check
-        return
     saved = flat_config(yaml.safe_load((path / CONFIG_FILE).read_text()))
     now = flat_config(config)
+    notes = []
+    length = [k for k in ("run.max_steps", "run.epochs") if k in saved and saved[k] != now.get(k)]
+    if length and now.get("optim.scheduler", "constant") != "constant":
+        changed = ", ".join(f"{k} {saved[k]!r} → {now.get(k)!r}" for k in length)
+        notes.append(
+            f"{changed}: the {now['optim.scheduler']} learning-rate schedule is recomputed for {total_steps} steps, "
+            f"so from step {state['step']} on the rate differs from what the checkpoint's run would have used"
+        )
+    if state.get("config_hash", config_hash(config)) == config_hash(config):  # checkpoints before the hash: no check
+        return notes
     keys = (saved.keys() | now.keys()) - RESUMABLE_CHANGES
     differing = sorted(k for k in keys if saved.get(k) != now.get(k))
     changes = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in differing)
@@ -198,4 +208,25 @@ def load_checkpoint(accelerator, path: Path) -> dict:
         raise IncompleteCheckpointError(f"{path} has no {STATE_FILE}: it is a partial checkpoint")
     with weights_from_hf(accelerator, path):
         accelerator.load_state(str(path / "state"))
+    _rates_from_schedules(accelerator)
     return json.loads((path / STATE_FILE).read_text())
+
+
+def _rates_from_schedules(accelerator) -> None:
+    """Set each optimizer's learning rate from its schedule at the restored step.
+
+    ``load_state`` restores the rate the checkpoint's run had set for its next step, from that run's
+    schedule; a run resumed with another length (``run.max_steps``, ``run.epochs``) has another
+    schedule, and its first step took the old rate (0 when the old run had ended on a linear decay).
+    With an unchanged length this writes the same numbers back.
+    """
+    # the trainers register their schedulers with accelerate for checkpointing (accelerate's own lists)
+    for wrapped in [*accelerator._schedulers, *accelerator._custom_objects]:
+        scheduler = getattr(wrapped, "scheduler", wrapped)  # a prepared one is an AcceleratedScheduler
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            continue
+        step = scheduler.last_epoch
+        rates = [base * f(step) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+        for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        scheduler._last_lr = rates

@@ -396,9 +396,11 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
     if run.resume_from == "latest" and resume is None:
         accelerator.print(f"[{run_name}] resume_from=latest: no checkpoint in {run.output_dir}; starting at step 0")
     if resume is not None:
-        check_resumable(resume, yaml.safe_load(yaml.safe_dump(to_dict(config))), total_steps)
+        notes = check_resumable(resume, yaml.safe_load(yaml.safe_dump(to_dict(config))), total_steps)
         state = load_checkpoint(accelerator, resume)
         accelerator.print(f"[{run_name}] resuming from {resume} (step {state['step']} of {total_steps})")
+        for note in notes:
+            accelerator.print(f"[{run_name}] {note}")
     elapsed = 0.0
     if accelerator.is_main_process and run.resume_from is not None:
         for name in ("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "eval_samples.jsonl"):

@@ -162,3 +162,24 @@ def test_a_checkpoint_records_the_config_that_wrote_it(tiny_dir, tmp_path):
     state = json.loads((ckpt / checkpoint.STATE_FILE).read_text())
     assert (ckpt / checkpoint.CONFIG_FILE).read_text() == (tmp_path / "run" / "config.yaml").read_text()
     assert len(state["config_hash"]) == 64
+
+
+@pytest.mark.parametrize("scheduler", ["linear", "constant"])
+def test_a_resume_that_changes_the_length_says_the_schedule_changes(tiny_dir, tmp_path, capsys, scheduler):
+    """New-user finding (third session): raising run.max_steps on resume recomputed a decaying
+    learning-rate schedule without a word. Checking it found worse: the first resumed step still took
+    the old schedule's rate (restored with the optimizer's state), 0 after a finished linear decay.
+    Now the resumed steps follow the new schedule from the first, and the run says so (a constant
+    schedule does not change, and nothing is said)."""
+    train_sft(_config(tiny_dir, tmp_path, f"optim.scheduler={scheduler}", "run.max_steps=4", "run.save_every=2"))
+    capsys.readouterr()
+    train_sft(_config(tiny_dir, tmp_path, f"optim.scheduler={scheduler}", "run.max_steps=6", "run.resume_from=latest"))
+    out = capsys.readouterr().out
+    note = "run.max_steps 4 → 6: the linear learning-rate schedule is recomputed for 6 steps, so from step 4 on"
+    assert (note in out) == (scheduler == "linear"), out
+    # the rate the resumed run logged at step 5 is the 6-step schedule's: lr · (1 − 4/6)
+    records = read_metrics(tmp_path / "run")
+    lr = load_config(SFTConfig, None, _overrides(tiny_dir, tmp_path)).optim.lr
+    expected = lr * (1 - 4 / 6) if scheduler == "linear" else lr
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[4]["lr"] == pytest.approx(expected)
