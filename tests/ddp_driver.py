@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from posttrain.cli import _end_distributed
 from posttrain.trainers import dpo, grpo, ppo, rm, sft
 from posttrain.trainers.config import load_config
 
@@ -45,7 +46,6 @@ def run(runs: list) -> list[int]:
 if __name__ == "__main__":
     torch.set_num_threads(1)  # two ranks share the cores
     processes = run(json.loads(Path(sys.argv[1]).read_text()))
-    if torch.distributed.is_initialized():  # as the CLI does (posttrain.cli._end_distributed)
-        torch.distributed.destroy_process_group()
+    _end_distributed()  # as the CLI does
     if os.environ.get("RANK", "0") == "0":  # one line: two ranks printing at once can interleave
         print(json.dumps(processes), flush=True)

@@ -187,3 +187,24 @@ def test_fields_a_trainer_ignores_fail_at_start(cls, overrides, message):
         load_config(cls, None, overrides)
     defaults = [o for o in overrides if o.split("=")[0] not in ("model.device", "model.lora", "reward_model.device")]
     load_config(cls, None, defaults + ["model.device=auto"])  # the default is fine
+
+
+
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+def test_the_run_says_which_mixed_precision_it_trains_in(tiny_dir, tmp_path, precision):
+    """New-user finding (third session): nothing in the log confirmed bf16 mixed precision on a CPU.
+    A subprocess: accelerate keeps one mixed precision per process."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_sft(8, seed=0)))
+    overrides = [f"model.path={tiny_dir / 'policy'}", f"data.path={data}", f"run.output_dir={tmp_path / 'run'}"]
+    overrides += ["run.max_steps=1", "run.batch_size=4", "run.progress=false", f"run.mixed_precision={precision}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "sft", *overrides], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = "[run] training engine: plain, 1 process(es) on cpu"
+    assert (line + ", bf16 mixed precision\n" in done.stdout) == (precision == "bf16"), done.stdout
+    assert (line + "\n" in done.stdout) == (precision == "no"), done.stdout

@@ -35,7 +35,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.3
     """vLLM's share of the accelerator's memory (weights + KV cache) when colocated."""
     dtype: str = "auto"
-    """vLLM's weight dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
+    """vLLM's weight dtype: auto (vLLM's rule: a bfloat16 checkpoint's, and half precision for a float32
+    one), float32, bfloat16 or float16. The training forward recomputes the old log-probs either way;
+    rollout/logprob_diff_* shows the gap a lower-precision sampler opens."""
     enforce_eager: bool = False
     """vLLM without torch.compile / CUDA graphs: starts in seconds instead of minutes, samples slower."""
     sleep: bool = False

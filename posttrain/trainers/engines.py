@@ -167,13 +167,16 @@ def zero_stage(accelerator) -> int | None:
 
 
 def describe(accelerator) -> str:
-    """One line for the start of a run: which engine, how many processes."""
+    """One line for the start of a run: which engine, how many processes, and the mixed precision
+    (accelerate's autocast; on a CPU bf16 runs through torch's CPU autocast) when there is one."""
     stage = zero_stage(accelerator)
     kind = str(accelerator.distributed_type).split(".")[-1]
     kind = {"NO": "plain", "MULTI_CPU": "DDP", "MULTI_GPU": "DDP"}.get(kind, kind)
     kind = f"DeepSpeed ZeRO-{stage}" if stage is not None else kind
     kind = f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}" if is_fsdp(accelerator) else kind
-    return f"{kind}, {accelerator.num_processes} process(es) on {accelerator.device.type}"
+    line = f"{kind}, {accelerator.num_processes} process(es) on {accelerator.device.type}"
+    precision = str(accelerator.mixed_precision)
+    return line if precision in ("no", "None") else f"{line}, {precision} mixed precision"
 
 
 def configure(accelerator, micro_batch_size: int, accumulation: int, max_grad_norm: float | None) -> None:

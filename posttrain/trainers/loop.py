@@ -183,6 +183,7 @@ def run_offline(
     accelerator.register_for_checkpointing(scheduler)
     saved = {role: (model if m is trainable.model else m) for role, m in trainable.saved.items()}
     state, logger = start_run(accelerator, config, total_steps, Path(run.output_dir).name)
+    accelerator.print(f"[{Path(run.output_dir).name}] training engine: {engines.describe(accelerator)}")
     guard = NonFiniteGuard(accelerator, run, model=next(iter(trainable.saved)))
     metrics: dict[str, float] = {}
     eval_metrics: dict[str, float] = {}
