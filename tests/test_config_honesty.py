@@ -189,7 +189,6 @@ def test_fields_a_trainer_ignores_fail_at_start(cls, overrides, message):
     load_config(cls, None, defaults + ["model.device=auto"])  # the default is fine
 
 
-
 @pytest.mark.parametrize("precision", ["bf16", "no"])
 def test_the_run_says_which_mixed_precision_it_trains_in(tiny_dir, tmp_path, precision):
     """New-user finding (third session): nothing in the log confirmed bf16 mixed precision on a CPU.
