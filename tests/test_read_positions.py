@@ -240,3 +240,61 @@ def test_probe_refuses_a_layer_that_does_not_compute_what_it_looks_like(tiny_dir
         patch.setattr(type(layer), "forward", without_mlp)
         assert not can_read_positions(model)
     assert type(layer).forward is original
+
+
+def test_blocks_nest_and_belong_to_their_thread(tiny_dir):
+    """Review finding: the layer's forward was patched per block and deleted on exit, so a nested block
+    crashed on exit and a block open in one thread (an inline reward model past its timeout) changed
+    the forwards of another."""
+    import copy
+    import threading
+
+    model = _model(tiny_dir, "policy")
+    ids, mask = _padded_batch(model.config.vocab_size)
+
+    def hidden():
+        with torch.no_grad():
+            return model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+
+    full = hidden()
+    outer, inner = torch.tensor([[10], [9], [8]]), torch.tensor([[4, 6], [5, 7], [3, 9]])
+
+    def picked(h, read):
+        return h.gather(1, read[..., None].expand(-1, -1, h.shape[-1]))
+
+    def unread_differs(h, read):  # the shortcut ran: elsewhere the layer passed its input through
+        keep = torch.zeros_like(h[..., 0], dtype=torch.bool).scatter(1, read, True)
+        return (h - full)[~keep].abs().max() > 1e-3
+
+    with read_positions(model, outer):
+        h_outer = hidden()
+        with read_positions(model, inner):
+            h_inner = hidden()
+            other = {}
+            thread = threading.Thread(target=lambda: other.setdefault("h", hidden()))
+            thread.start()
+            thread.join()
+        h_after = hidden()
+    assert_close(picked(h_outer, outer), picked(full, outer)) and unread_differs(h_outer, outer)
+    assert_close(picked(h_inner, inner), picked(full, inner))
+    assert unread_differs(h_inner, inner)
+    assert_close(h_after, h_outer)  # the outer block again after the inner one closed
+    assert_close(other["h"], full)  # another thread: the full forward
+    assert_close(hidden(), full)  # after the blocks
+    twin = copy.deepcopy(model)  # a copy made after the first block runs its own forward
+    with torch.no_grad():
+        assert_close(twin.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state, full)
+
+
+def test_degenerate_reads_run_the_full_forward(tiny_dir):
+    """Review finding: logits_to_keep longer than the rows, and a read of no position, crashed."""
+    model = _model(tiny_dir, "policy")
+    ids, mask = _padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        with read_positions(model, torch.zeros((3, 0), dtype=torch.long)):
+            assert_close(model(input_ids=ids, attention_mask=mask, use_cache=False).logits, full)
+        read = positions_module.last_positions(3, 11, 14, "cpu")  # logits_to_keep=14 of 11 positions: all of them
+        assert read.tolist() == [list(range(11))] * 3
+        with read_positions(model, read):
+            assert_close(model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=14).logits, full)

@@ -7,7 +7,7 @@ from helpers import assert_close
 
 from posttrain.models import ModelConfig, load_causal_lm, load_policy, response_logprobs
 from posttrain.rollout import HFEngine, LeanEngine, SamplingParams
-from posttrain.rollout.lean import _decoder_for, _LlamaDecoder, _ModelDecoder, draw
+from posttrain.rollout.lean import _written_out, draw
 
 
 @pytest.fixture(params=["policy", "qwen2"])
@@ -31,10 +31,35 @@ def _same_rollout(a, b):
     assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
-def test_plain_llama_and_qwen2_take_the_written_out_step(model, policy_config):
-    assert isinstance(_decoder_for(model, 8), _LlamaDecoder)
+def test_plain_llama_and_qwen2_take_the_written_out_step(model, policy_config, tiny_dir):
+    assert _written_out(model)
+    assert _written_out(load_policy(ModelConfig(path=str(tiny_dir / "qwen2"))))
     lora = load_policy(ModelConfig(path=policy_config.path, lora={"r": 2, "target_modules": ["q_proj"]}))
-    assert isinstance(_decoder_for(lora, 8), _ModelDecoder)  # peft-wrapped: the model's own forward
+    assert not _written_out(lora)  # peft-wrapped: the model's own forward
+
+
+def test_the_prefill_runs_in_eval_mode_and_the_mode_is_restored(model, tokenizer):
+    """The written-out steps have no dropout; the prefill is the model's forward, in eval mode. A
+    train-mode model without dropout is not switched (nothing would change); with dropout it is."""
+    prompts, params = _prompts(tokenizer), SamplingParams(max_new_tokens=6, temperature=0)
+    model.eval()
+    expected = LeanEngine(model, tokenizer).generate(prompts, params, n=2)
+    model.train()
+    switched = []
+    hook = model.register_forward_pre_hook(lambda m, args: switched.append(m.training))
+    _same_rollout(LeanEngine(model, tokenizer).generate(prompts, params, n=2), expected)
+    hook.remove()
+    assert model.training and switched == [True]  # the prefill ran without a switch: no dropout anywhere
+    attention = model.model.layers[0].self_attn
+    attention.attention_dropout = 0.5  # dropout in train mode: the prefill must not sample it
+    try:
+        switched.clear()
+        hook = model.register_forward_pre_hook(lambda m, args: switched.append(m.training))
+        _same_rollout(LeanEngine(model, tokenizer).generate(prompts, params, n=2), expected)
+        hook.remove()
+        assert model.training and switched == [False]
+    finally:
+        attention.attention_dropout = 0.0
 
 
 def test_greedy_rollouts_equal_hf_generate(model, tokenizer):

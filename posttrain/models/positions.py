@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -62,6 +63,9 @@ def _last_layer(model: nn.Module) -> nn.Module | None:
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
         return None  # an engine's hooks (ZeRO-3 gathers, FSDP1 unshards) must see the layer's own calls
+    patched = vars(layer).get("forward")
+    if patched is not None and getattr(patched, "func", None) is not _dispatch:
+        return None  # someone else replaced this layer's forward: leave it alone
     return layer
 
 
@@ -124,9 +128,12 @@ def _at_positions(
         mask = attention_mask.expand(B, -1, -1, -1).gather(2, rows)  # the rows of the read queries
         if mask.dtype != torch.bool:
             mask = mask.to(query.dtype)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=attn.scaling, enable_gqa=key.shape[1] != query.shape[1]
-    )  # [B, heads, k, d]
+    if key.shape[1] != query.shape[1]:
+        # grouped-query attention: repeated keys and values, as transformers' sdpa path does with a mask
+        # (with a mask, enable_gqa would leave CUDA only sdpa's quadratic-memory math kernel)
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=attn.scaling)  # [B, heads, k, d]
     residual = hidden_states.gather(1, at.expand(-1, -1, H))
     x = residual + attn.o_proj(out.transpose(1, 2).reshape(B, k, -1))
     x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -147,25 +154,49 @@ def can_read_positions(model: nn.Module) -> bool:
     return verdict
 
 
+_reads = threading.local()  # per thread: {id(layer): [read positions of each open block, innermost last]}
+
+
+def _dispatch(layer: nn.Module, *args, **kwargs) -> torch.Tensor:
+    """The last layer's forward once ``read_positions`` has been used on it: the innermost open block of
+    this thread decides; outside any block (another thread, a later call) the layer's own forward."""
+    stack = getattr(_reads, "stacks", {}).get(id(layer))
+    if not stack:
+        return type(layer).forward(layer, *args, **kwargs)
+    return _at_positions(layer, stack[-1], *args, **kwargs)
+
+
 @contextlib.contextmanager
-def read_positions(model: nn.Module, read: torch.Tensor | None) -> Iterator[None]:
-    """Within this block, forwards of ``model`` compute its last decoder layer only at ``read``
-    ([B, k] positions of each row, distinct within a row; None: every position), where
-    ``can_read_positions``; otherwise the block changes nothing."""
-    if read is None or not can_read_positions(model):
-        yield
-        return
-    layer = _last_layer(model)
-    layer.forward = functools.partial(_at_positions, layer, read)  # the instance attribute shadows the method
+def _reading(layer: nn.Module, read: torch.Tensor) -> Iterator[None]:
+    if "forward" not in vars(layer):
+        layer.forward = functools.partial(_dispatch, layer)  # installed once; the instance attribute shadows the method
+    if not hasattr(_reads, "stacks"):
+        _reads.stacks = {}
+    stack = _reads.stacks.setdefault(id(layer), [])
+    stack.append(read)
     try:
         yield
     finally:
-        del layer.forward
+        stack.pop()
+
+
+@contextlib.contextmanager
+def read_positions(model: nn.Module, read: torch.Tensor | None) -> Iterator[None]:
+    """Within this block, forwards of ``model`` compute its last decoder layer only at ``read``
+    ([B, k] positions of each row, distinct within a row: a repeated position would get its gradient
+    twice; None or k = 0: every position), where ``can_read_positions``; otherwise the block changes
+    nothing. Blocks nest, and a block applies to the forwards of its own thread only."""
+    if read is None or read.shape[-1] == 0 or not can_read_positions(model):
+        yield
+        return
+    with _reading(_last_layer(model), read):
+        yield
 
 
 def last_positions(batch_size: int, length: int, count: int, device) -> torch.Tensor:
-    """[B, count]: the last ``count`` positions of every row (``logits_to_keep = count``)."""
-    return torch.arange(length - count, length, device=device).expand(batch_size, -1)
+    """[B, count]: the last ``count`` positions of every row (``logits_to_keep = count``; at most all
+    ``length`` of them, as transformers reads a larger ``logits_to_keep``)."""
+    return torch.arange(max(0, length - count), length, device=device).expand(batch_size, -1)
 
 
 def positions_per_row(rows: torch.Tensor, positions: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -199,13 +230,11 @@ def _probe(model: nn.Module, layer: nn.Module) -> bool:
     # outside any autocast of the caller: the verdict is about the layer, in the weights' own dtype
     with torch.no_grad(), torch.autocast(parameter.device.type, enabled=False):
         full = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
-        layer.forward = functools.partial(_at_positions, layer, read)
         try:
-            part = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+            with _reading(layer, read):
+                part = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
         except Exception:
             return False
-        finally:
-            del layer.forward
     index = read[..., None].expand(-1, -1, full.shape[-1])
     got, want = part.last_hidden_state.gather(1, index), full.gather(1, index)
     error = (got - want).abs().max().item() / max(1.0, want.abs().max().item())

@@ -95,7 +95,10 @@ def check_resumable(path: Path, config: dict, total_steps: int) -> list[str]:
     saved = flat_config(yaml.safe_load((path / CONFIG_FILE).read_text()))
     now = flat_config(config)
     notes = []
+    # the run's length: run.max_steps when set, else run.epochs (then data size, unchanged by the hash)
     length = [k for k in ("run.max_steps", "run.epochs") if k in saved and saved[k] != now.get(k)]
+    if "run.max_steps" not in length and now.get("run.max_steps"):
+        length = []  # only run.epochs changed, and run.max_steps decides the length
     if length and now.get("optim.scheduler", "constant") != "constant":
         changed = ", ".join(f"{k} {saved[k]!r} → {now.get(k)!r}" for k in length)
         notes.append(
