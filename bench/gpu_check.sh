@@ -2,7 +2,8 @@
 # One short run per (trainer, engine) on the GPUs of this machine: bf16 GRPO and PPO steps under
 # accelerate's DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 configs (examples/accelerate/), plus GRPO with a colocated
 # vLLM when vLLM is installed. On GPUs FSDP2 takes accelerate's own path (on CPU, tests/test_fsdp.py runs
-# it); PPO's default critic=reward is a second FSDP2/DeepSpeed model. Writes
+# it); PPO's default critic=reward is a second FSDP2/DeepSpeed model; on GPUs also
+# bench/read_positions_memory.py (peak memory of a long bf16 log-prob pass, last layer read or full). Writes
 # bench/results/gpu_check-<UTC date>.jsonl: one line per case with its exit status, wall time and last
 # metrics line. Record the outcome with the date in bench/README.md.
 #
@@ -66,5 +67,13 @@ run_case ppo-fsdp2 fsdp2 ppo "${PPO[@]}"
 if $PY -c "import vllm" 2>/dev/null; then
   run_case grpo-vllm-colocate none grpo "${GRPO[@]}" rollout.engine=vllm "rollout.sleep=$SLEEP"
   run_case grpo-vllm-zero3 zero3 grpo "${GRPO[@]}" rollout.engine=vllm "rollout.sleep=$SLEEP"
+fi
+if [ "$GPUS" -gt 0 ]; then  # the last layer only where it is read, on long bf16 sequences: memory and time
+  start=$SECONDS
+  $PY bench/read_positions_memory.py >"$WORK/read_positions.out" 2>"$WORK/read_positions.log"
+  rc=$?
+  line=$(tail -n 1 "$WORK/read_positions.out")
+  echo "{\"case\": \"read-positions-memory\", \"gpus\": $GPUS, \"rc\": $rc, \"seconds\": $((SECONDS - start)), \"last\": ${line:-null}}" >>"$OUT"
+  echo "read-positions-memory: rc=$rc  $line"
 fi
 echo "results: $OUT"

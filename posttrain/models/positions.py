@@ -17,8 +17,8 @@ is work removed, not an approximation.
 
 Used for Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3: pre-norm attention with
 q/k/v/o projections and rotary embeddings, then a pre-norm MLP), verified once per model by a probe
-against the model's own forward; any other model, a layer with hooks inside it (DeepSpeed ZeRO-3,
-FSDP1), gradient checkpointing (the recomputation would run the full layer), sliding-window layers
+against the model's own forward; any other model, a layer with hooks on or inside it (DeepSpeed
+ZeRO-3, FSDP1 and FSDP2), gradient checkpointing (the recomputation would run the full layer), sliding-window layers
 and attention dropout in training run the full forward unchanged.
 """
 
@@ -62,7 +62,7 @@ def _last_layer(model: nn.Module) -> nn.Module | None:
     if config._attn_implementation not in ("sdpa", "eager"):
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
-        return None  # an engine's hooks (ZeRO-3 gathers, FSDP1 unshards) must see the layer's own calls
+        return None  # an engine's hooks (ZeRO-3 gathers, FSDP unshards) must see the layer's own calls
     patched = vars(layer).get("forward")
     if patched is not None and getattr(patched, "func", None) is not _dispatch:
         return None  # someone else replaced this layer's forward: leave it alone
