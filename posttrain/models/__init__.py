@@ -2,12 +2,14 @@
 
 from posttrain.models.loading import (
     ModelConfig,
+    checkpointing_on,
     disable_dropout,
     is_peft_adapter,
     load_causal_lm,
     load_scalar_model,
     load_tokenizer,
     peft_wrapping,
+    unwrap_model,
 )
 from posttrain.models.roles import (
     CRITIC_INITS,
@@ -32,6 +34,8 @@ from posttrain.models.roles import (
 
 __all__ = [
     "peft_wrapping",
+    "checkpointing_on",
+    "unwrap_model",
     "CRITIC_INITS",
     "ModelConfig",
     "PolicyWithValueHead",

@@ -144,6 +144,24 @@ def _from_pretrained(auto_class, config: ModelConfig, **extra):
     return model
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model under accelerate's DDP/FSDP wrappers and DeepSpeed's engine (``.module``)
+    and a peft wrapper (``get_base_model``: the model with its adapter layers in it)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def checkpointing_on(model: nn.Module) -> bool:
+    """Whether gradient (activation) checkpointing is on: a training forward then recomputes its layers in
+    backward and turns the KV cache off. transformers 5.24 renamed the flag; .venv-vllm's 5.19 has only
+    the old name."""
+    model = unwrap_model(model)
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if checkpointing is None else checkpointing)
+
+
 def load_causal_lm(config: ModelConfig) -> nn.Module:
     """A causal LM (AutoModelForCausalLM) for the policy or the reference, dropout off.
 

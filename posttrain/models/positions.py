@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -33,20 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models.loading import checkpointing_on, unwrap_model
+
 LLAMA_FAMILY = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
-
-
-def _inner(model: nn.Module) -> nn.Module:
-    """The Hugging Face model under accelerate's DDP/FSDP wrappers (``.module``) and a peft wrapper."""
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def _last_layer(model: nn.Module) -> nn.Module | None:
     """The last decoder layer, when this module can compute it at a subset of positions; else None."""
-    model = _inner(model)
+    model = unwrap_model(model)
     backbone = getattr(model, "base_model", None)
     layers = getattr(backbone, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
@@ -69,21 +64,11 @@ def _last_layer(model: nn.Module) -> nn.Module | None:
     return layer
 
 
-def _checkpointing(model: nn.Module) -> bool:
-    model = _inner(model)
-    checkpointing = getattr(model, "is_activation_checkpointing", None)  # newer transformers' name
-    return bool(getattr(model, "is_gradient_checkpointing", False) if checkpointing is None else checkpointing)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (Su et al. 2021) in the half-split layout: x·cos + rotate_half(x)·sin; x [B, heads, n, d],
-    cos / sin [B, n, d]."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+def _rotary(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (Su et al. 2021) as the layer's own modeling module writes it: x·cos + rotate_half(x)·sin
+    with that module's ``rotate_half``; x [B, heads, n, d], cos / sin [B, n, d]."""
+    rotate_half = sys.modules[type(layer).__module__].rotate_half
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 def _at_positions(
@@ -115,8 +100,10 @@ def _at_positions(
     value = attn.v_proj(normed).view(B, L, -1, d).transpose(1, 2)
     if hasattr(attn, "q_norm"):  # Qwen3: a per-head RMSNorm before the rotation
         query, key = attn.q_norm(query), attn.k_norm(key)
-    query = _rotary(query.transpose(1, 2), cos.gather(1, at.expand(-1, -1, d)), sin.gather(1, at.expand(-1, -1, d)))
-    key = _rotary(key.transpose(1, 2), cos, sin)
+    query = _rotary(
+        layer, query.transpose(1, 2), cos.gather(1, at.expand(-1, -1, d)), sin.gather(1, at.expand(-1, -1, d))
+    )
+    key = _rotary(layer, key.transpose(1, 2), cos, sin)
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx)
     keys = torch.arange(key.shape[2], device=read.device)
@@ -143,7 +130,7 @@ def _at_positions(
 def can_read_positions(model: nn.Module) -> bool:
     """Whether ``read_positions`` computes less for this model right now (see the module docstring)."""
     layer = _last_layer(model)
-    if layer is None or _checkpointing(model):
+    if layer is None or checkpointing_on(model):
         return False
     if layer.training and float(getattr(layer.self_attn, "attention_dropout", 0.0) or 0.0) > 0:
         return False
@@ -219,12 +206,12 @@ def _probe(model: nn.Module, layer: nn.Module) -> bool:
     """The layer at two positions of a short padded batch against the model's full forward: the read
     positions' last hidden states must agree within 1e-4 (float32) or 3e-2 (half precision) of their scale."""
     parameter = next(model.parameters())
-    vocab = _inner(model).get_input_embeddings().num_embeddings
+    vocab = unwrap_model(model).get_input_embeddings().num_embeddings
     ids = (torch.arange(14, device=parameter.device).view(2, 7) * 7 + 3) % vocab
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    backbone = _inner(model).base_model
+    backbone = unwrap_model(model).base_model
     read = torch.tensor([[3, 6], [2, 5]], device=parameter.device)
     tolerance = 1e-4 if parameter.dtype in (torch.float32, torch.float64) else 3e-2
     # outside any autocast of the caller: the verdict is about the layer, in the weights' own dtype

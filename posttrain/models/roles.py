@@ -34,6 +34,7 @@ from posttrain.models.loading import (
     load_causal_lm,
     load_scalar_model,
     peft_wrapping,
+    unwrap_model,
 )
 from posttrain.models.positions import last_positions, positions_per_row, read_positions
 
@@ -196,10 +197,7 @@ SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
 
 
 def _attention_implementation(model: nn.Module) -> str:
-    # accelerate's DDP/FSDP wrappers and DeepSpeed's engine hold the Hugging Face model as `.module`
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model.config._attn_implementation
+    return unwrap_model(model).config._attn_implementation
 
 
 def _packed_attention_mask(model: nn.Module, batch: SharedPrefixBatch) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models.loading import checkpointing_on
 from posttrain.rollout.base import Rollout, SamplingParams, build_rollout, left_pad
 from posttrain.rollout.hf import HFEngine, eos_token_ids
 
@@ -177,10 +178,7 @@ def _written_out(model: nn.Module) -> bool:
 def _mode_free(model: nn.Module) -> bool:
     """Whether a Llama/Qwen2 forward is the same in train and eval mode: no dropout anywhere (posttrain
     loads models with it off) and no gradient checkpointing (which runs only in train mode)."""
-    checkpointing = getattr(model, "is_activation_checkpointing", None)  # newer transformers' name
-    if getattr(model, "is_gradient_checkpointing", False) if checkpointing is None else checkpointing:
-        return False
-    return not any(
+    return not checkpointing_on(model) and not any(
         (isinstance(m, nn.Dropout) and m.p > 0) or float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0
         for m in model.modules()
     )

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from posttrain.core import SharedPrefixBatch, forward_cost, pack_groups, packed_group_shape
-from posttrain.models import shared_prefix_unsupported
+from posttrain.models import checkpointing_on, shared_prefix_unsupported
 from posttrain.rollout import Rollout
 
 
@@ -106,10 +106,7 @@ def packed_rollout_rows(
 def prompt_cache_applies(model: nn.Module, shared: SharedPrefix | None) -> bool:
     """Run these rows with each prompt once through the KV cache? Only with ``shared.prompt_cache`` and
     without gradient checkpointing (which turns the cache off in a training forward)."""
-    if shared is None or not shared.prompt_cache:
-        return False
-    checkpointing = getattr(model, "is_activation_checkpointing", None)  # newer transformers' name (5.24; not 5.19)
-    return not (getattr(model, "is_gradient_checkpointing", False) if checkpointing is None else checkpointing)
+    return shared is not None and shared.prompt_cache and not checkpointing_on(model)
 
 
 def unpack_rows(values: torch.Tensor | None, response_of_row: torch.Tensor, response_length: int):
