@@ -47,9 +47,29 @@ def _qwen3(vocab: int):
     return Qwen3ForCausalLM(config).eval()
 
 
+def _mistral(vocab: int):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(6)
+    config = MistralConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=None,
+        attention_dropout=0.0,
+    )
+    return MistralForCausalLM(config).eval()
+
+
 def _model(tiny_dir, name: str, attn: str = "sdpa"):
     if name == "qwen3":
         return _qwen3(100)
+    if name == "mistral":
+        return _mistral(100)
     return load_causal_lm(ModelConfig(path=str(tiny_dir / name), device="cpu", attn_implementation=attn))
 
 
@@ -76,7 +96,8 @@ def test_positions_per_row_by_hand():
 
 
 @pytest.mark.parametrize(
-    ("name", "attn"), [("policy", "sdpa"), ("policy", "eager"), ("qwen2", "sdpa"), ("qwen3", "sdpa")]
+    ("name", "attn"),
+    [("policy", "sdpa"), ("policy", "eager"), ("qwen2", "sdpa"), ("qwen3", "sdpa"), ("mistral", "sdpa")],
 )
 def test_read_positions_equal_the_full_forward_values_and_gradients(tiny_dir, name, attn):
     model = _model(tiny_dir, name, attn)
@@ -275,7 +296,8 @@ def test_blocks_nest_and_belong_to_their_thread(tiny_dir):
             thread.start()
             thread.join()
         h_after = hidden()
-    assert_close(picked(h_outer, outer), picked(full, outer)) and unread_differs(h_outer, outer)
+    assert_close(picked(h_outer, outer), picked(full, outer))
+    assert unread_differs(h_outer, outer)
     assert_close(picked(h_inner, inner), picked(full, inner))
     assert unread_differs(h_inner, inner)
     assert_close(h_after, h_outer)  # the outer block again after the inner one closed
