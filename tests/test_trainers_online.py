@@ -516,3 +516,44 @@ def test_gradient_checkpointing_recomputes_in_the_trained_models(tiny_dir, tmp_p
         trainer.train()
         counts[checkpointing] = {role: c[0] for role, c in calls.items()}
     assert counts == {False: {role: 2 for role in models}, True: {role: 4 for role in models}}
+
+
+@pytest.mark.parametrize("engine", ["hf", "lean"])
+def test_bf16_first_minibatch_ratio_is_one_and_lean_runs(noisy_sft, tmp_path, engine):
+    """New-user trial (fourth session): under run.mixed_precision=bf16 the lean engine crashed (its
+    written-out float32 step met the autocast prefill's bf16 cache), and with either engine the
+    sampler's log-probs, taken as the old ones, gave a first-minibatch ratio of 1.002: the sampler's
+    forward and the packed training forward round differently in bf16. The old log-probs are now
+    recomputed by the training forward in half precision. A subprocess: accelerate keeps one mixed
+    precision per process."""
+    import subprocess
+    import sys
+
+    overrides = [
+        f"model.path={noisy_sft['policy']}",
+        f"data.path={noisy_sft['prompts']}",
+        "data.chat_template=never",
+        f"run.output_dir={tmp_path / 'run'}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        EXACT,
+        "sampling.max_new_tokens=4",
+        "num_generations=8",
+        "run.batch_size=32",
+        "run.max_steps=2",
+        "run.mixed_precision=bf16",
+        f"rollout.engine={engine}",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "grpo", *overrides], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "half precision: the old log-probs are recomputed by the training forward" in done.stdout
+    records = read_metrics(tmp_path / "run")
+    assert len(records) == 2
+    for r in records:
+        assert (
+            abs(r["policy/first_minibatch_ratio_max"] - 1) < 1e-6
+            and abs(r["policy/first_minibatch_ratio_min"] - 1) < 1e-6
+        )
+        assert r["rollout/logprob_diff_max"] > 0  # the sampler's bf16 rounding, now measured instead of trained on

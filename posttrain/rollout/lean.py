@@ -166,9 +166,15 @@ class LeanEngine(HFEngine):
 def _written_out(model: nn.Module) -> bool:
     """Decode with the hand-written Llama/Qwen2 step (``_LlamaDecoder``)? For a plain float32 Llama or
     Qwen2 (not peft-wrapped, no sliding window, no hooks inside the backbone, which the written-out
-    step would skip); any other model decodes through its own forward on a DynamicCache."""
+    step would skip) whose forward runs in its weights' dtype: not under an autocast (accelerate's
+    mixed precision wraps the forward and keeps the original as ``_original_forward``; the prefill's
+    half-precision cache then met the step's float32 queries). Any other model decodes through its own
+    forward on a DynamicCache."""
+    device = model.lm_head.weight.device.type
     return (
-        type(model).__name__ in ("LlamaForCausalLM", "Qwen2ForCausalLM")
+        "_original_forward" not in vars(model)
+        and not torch.is_autocast_enabled(device)
+        and type(model).__name__ in ("LlamaForCausalLM", "Qwen2ForCausalLM")
         and not getattr(model.config, "use_sliding_window", False)
         and model.lm_head.weight.dtype == torch.float32
         and not any(m._forward_hooks or m._forward_pre_hooks for m in model.model.modules())

@@ -102,6 +102,18 @@ class OnlineTrainer:
         self.engine = build_engine(
             self.config.rollout, policy, self.tokenizer, self.config.model.path, self.config.run.seed
         )
+        half = self.accelerator.mixed_precision != "no" or next(policy.parameters()).dtype in (
+            torch.bfloat16,
+            torch.float16,
+        )
+        if self.engine.logprobs_exact and half:
+            # in half precision the sampler's forward and the training layout (packed rows, the prompt cache,
+            # other micro-batches) round differently: the first-minibatch ratio was 1.002-1.0035, not 1
+            self.engine.logprobs_exact = False
+            self.accelerator.print(
+                f"[{self.name}] half precision: the old log-probs are recomputed by the training forward "
+                "(rollout/logprob_diff_* is the sampler's rounding)"
+            )
         self.monitor = RunMonitor(self.config, self.eval_prompts, self.tokenizer, self.accelerator, *self.SCORE_KEYS)
 
     def generate(self, prompts: list[PromptExample], n: int) -> tuple[Rollout, dict]:
