@@ -336,3 +336,17 @@ def test_is_peft_model_answers_without_importing_peft(tiny_dir):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_a_checkpoint_of_the_wrong_kind_is_refused_naming_the_missing_weights(tiny_dir):
+    """New-user trial (fourth session): a reward checkpoint loaded as a policy, or a causal LM as the
+    reward model, started with a random head and trained or scored without a word (transformers'
+    load report is hidden at the CLI's log level). A new head is still expected where one is meant
+    to be: a reward model or critic started from a causal LM."""
+    with pytest.raises(ValueError, match=r"model.path=.*reward: the checkpoint has no weights for lm_head.weight"):
+        load_causal_lm(ModelConfig(path=str(tiny_dir / "reward"), device="cpu"))
+    with pytest.raises(ValueError, match=r"reward_model.path=.*policy: the checkpoint has no weights for score.weight"):
+        load_reward_model(ModelConfig(path=str(tiny_dir / "policy"), device="cpu"))
+    started = load_scalar_model(ModelConfig(path=str(tiny_dir / "policy"), device="cpu"), "reward")  # `posttrain rm`
+    assert started.score.weight.shape == (1, started.config.hidden_size)
+    assert load_critic("policy", ModelConfig(path=str(tiny_dir / "policy"), device="cpu")) is not None

@@ -120,16 +120,30 @@ def peft_wrapping() -> Iterator[None]:
         yield
 
 
-def _from_pretrained(auto_class, config: ModelConfig, **extra):
+def _from_pretrained(auto_class, config: ModelConfig, new_head: bool = False, what: str = "model.path", **extra):
+    """``auto_class.from_pretrained`` with posttrain's settings. Weights the checkpoint lacks start random;
+    that is expected only of a new head (``new_head``: a reward model or critic started from a causal
+    LM). Otherwise a checkpoint of the wrong kind (a reward model as a policy, a causal LM as the
+    reward model) is refused, naming the missing weights; transformers' own report of them is hidden
+    at the CLI's log level."""
     kwargs = dict(
         dtype=DTYPES[config.dtype],
         revision=config.revision,
         trust_remote_code=config.trust_remote_code,
+        output_loading_info=True,
         **extra,
     )
     if config.attn_implementation is not None:
         kwargs["attn_implementation"] = config.attn_implementation
-    model = auto_class.from_pretrained(config.path, **kwargs)
+    model, info = auto_class.from_pretrained(config.path, **kwargs)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing and not new_head:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise ValueError(
+            f"{what}={config.path}: the checkpoint has no weights for {shown}; as {auto_class.__name__} they "
+            f"would start random. Is it the right kind of model (a causal LM for a policy or an evaluated "
+            f"model, a reward model with a score head for a reward model)?"
+        )
     disable_dropout(model)
     model.to(config.resolved_device())
     if config.gradient_checkpointing:
@@ -174,13 +188,14 @@ def load_causal_lm(config: ModelConfig) -> nn.Module:
     return _from_pretrained(AutoModelForCausalLM, config)
 
 
-def load_scalar_model(config: ModelConfig, kind: str) -> nn.Module:
+def load_scalar_model(config: ModelConfig, kind: str, new_head: bool = True, what: str = "model.path") -> nn.Module:
     """A backbone with a one-output linear head ``score``, dropout off.
 
     kind="reward": AutoModelForSequenceClassification(num_labels=1), one score per sequence.
     kind="value": AutoModelForTokenClassification(num_labels=1), one value per token (the critic).
     Either loads from a reward-model checkpoint or from a causal LM (the head is then new: normal
-    init with the model's ``initializer_range``, zero bias). Both are ordinary transformers classes,
+    init with the model's ``initializer_range``, zero bias) unless ``new_head`` is False (a frozen
+    reward model must bring its head: ``_from_pretrained``). Both are ordinary transformers classes,
     so their checkpoints load without posttrain.
     """
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
@@ -189,7 +204,7 @@ def load_scalar_model(config: ModelConfig, kind: str) -> nn.Module:
     if kind not in ("reward", "value"):
         raise ValueError(f"kind must be 'reward' or 'value', got {kind!r}")
     auto_class = AutoModelForSequenceClassification if kind == "reward" else AutoModelForTokenClassification
-    model = _from_pretrained(auto_class, config, num_labels=1)
+    model = _from_pretrained(auto_class, config, new_head=new_head, what=what, num_labels=1)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model

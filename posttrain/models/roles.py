@@ -535,7 +535,7 @@ CRITIC_INITS = ("reward", "policy")
 
 def load_reward_model(config: ModelConfig) -> nn.Module:
     """Frozen reward model (sequence classifier, num_labels=1, dropout off); score with ``sequence_scores``."""
-    model = load_scalar_model(config, "reward")
+    model = load_scalar_model(config, "reward", new_head=False, what="reward_model.path")
     model.eval()
     model.requires_grad_(False)
     return model
