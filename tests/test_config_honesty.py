@@ -207,3 +207,21 @@ def test_the_run_says_which_mixed_precision_it_trains_in(tiny_dir, tmp_path, pre
     line = "[run] training engine: plain, 1 process(es) on cpu"
     assert (line + ", bf16 mixed precision\n" in done.stdout) == (precision == "bf16"), done.stdout
     assert (line + "\n" in done.stdout) == (precision == "no"), done.stdout
+
+
+def test_lora_keys_and_a_critic_from_a_lora_reward_model_are_refused_at_start(tmp_path):
+    """New-user trial (fourth session): `model.lora={r:8}` (YAML reads the key "r:8") ended in a
+    LoraConfig traceback after loading; PPO's default critic=reward from a LoRA reward model trained its
+    head only and crashed at its first checkpoint."""
+    with pytest.raises(ValueError, match=r"model.lora has keys peft's LoraConfig does not take: \['r:8'\]"):
+        load_config(SFTConfig, None, ["model.path=m", "data.path=d", "model.lora={r:8}"])
+    assert load_config(SFTConfig, None, ["model.path=m", "data.path=d", "model.lora={r: 8}"]).model.lora == {"r": 8}
+    adapter = tmp_path / "rm_lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    base = ["model.path=m", "data.path=d", f"reward_model.path={adapter}"]
+    with pytest.raises(
+        ValueError, match=r"critic=reward with a LoRA reward model .* use critic=policy or critic=shared"
+    ):
+        load_config(PPOConfig, None, base)
+    assert load_config(PPOConfig, None, [*base, "critic=policy"]).critic == "policy"

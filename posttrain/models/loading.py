@@ -52,6 +52,19 @@ class ModelConfig:
             raise ValueError(f"{name}.path is required: a local checkpoint folder or a hub id")
         if self.dtype not in DTYPES:
             raise ValueError(f"{name}.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if isinstance(self.lora, dict):
+            from dataclasses import fields
+
+            from peft import LoraConfig
+
+            known = {f.name for f in fields(LoraConfig)}
+            unknown = sorted(k for k in self.lora if k not in known)
+            if unknown:
+                raise ValueError(
+                    f"{name}.lora has keys peft's LoraConfig does not take: {unknown} (YAML needs a space after "
+                    f"the colon: '{name}.lora={{r: 8}}', not '{{r:8}}'); LoraConfig fields include r, lora_alpha, "
+                    "lora_dropout, target_modules"
+                )
         if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"{name}.attn_implementation must be one of {ATTN_IMPLEMENTATIONS} or null, "

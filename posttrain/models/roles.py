@@ -541,6 +541,18 @@ def load_reward_model(config: ModelConfig) -> nn.Module:
     return model
 
 
+def check_reward_critic(reward: ModelConfig) -> None:
+    """Refuse a critic started from a LoRA reward model (an adapter folder): transformers loads the
+    adapter frozen, so the critic would train its score head alone, and saving it needed a newer peft
+    (a new-user trial's run crashed at its first checkpoint)."""
+    if is_peft_adapter(reward.path):
+        raise ValueError(
+            f"critic=reward with a LoRA reward model ({reward.path} holds an adapter): a critic started from it "
+            "would train its score head only; use critic=policy or critic=shared, or merge the adapter into "
+            "the reward model (peft's merge_and_unload) and point reward_model.path at the merged model"
+        )
+
+
 def load_critic(init_from: str, policy: ModelConfig, reward: ModelConfig | None = None) -> nn.Module:
     """The value model: a token classifier (num_labels=1) whose backbone starts from the reward model
     (default in RLHF-PPO: it already reads the reward's features; Huang et al. 2022, detail "critic
@@ -553,6 +565,8 @@ def load_critic(init_from: str, policy: ModelConfig, reward: ModelConfig | None 
         raise ValueError(f"critic init_from must be one of {CRITIC_INITS}, got {init_from!r}")
     if init_from == "reward" and reward is None:
         raise ValueError("critic init_from='reward' needs a reward model config")
+    if init_from == "reward":
+        check_reward_critic(reward)
     source = reward if init_from == "reward" else policy
     config = copy.copy(source)
     config.lora = None

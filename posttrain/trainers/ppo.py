@@ -40,7 +40,7 @@ from posttrain.core import (
     shape_rewards,
 )
 from posttrain.data import DataConfig
-from posttrain.models import ModelConfig, load_policy, load_reward_model, sequence_scores
+from posttrain.models import ModelConfig, check_reward_critic, load_policy, load_reward_model, sequence_scores
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, unpad
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams
@@ -175,6 +175,8 @@ class PPOConfig:
         check_choice("reference", self.reference, ("auto", "copy", "adapter"))
         if self.critic == "reward" and self.reward_model is None:
             raise ValueError("critic=reward needs reward_model (or use critic=policy / critic=shared)")
+        if self.critic == "reward":
+            check_reward_critic(self.reward_model)
         if self.run.batch_size % self.num_generations:
             raise ValueError(f"run.batch_size must be a multiple of num_generations={self.num_generations}")
         for key in ("ppo_epochs", "minibatches", "num_generations"):
