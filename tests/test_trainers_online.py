@@ -557,3 +557,23 @@ def test_bf16_first_minibatch_ratio_is_one_and_lean_runs(noisy_sft, tmp_path, en
             and abs(r["policy/first_minibatch_ratio_min"] - 1) < 1e-6
         )
         assert r["rollout/logprob_diff_max"] > 0  # the sampler's bf16 rounding, now measured instead of trained on
+
+
+def test_a_run_says_the_checkpoints_generation_config_is_not_used(noisy_sft, tmp_path, capsys):
+    """New-user trial (fourth session): a checkpoint's own sampling settings (here top_k=5, temperature
+    0.7, repetition penalty 1.3) were ignored, as the rollout docs say, but the run said nothing; a
+    user relying on them would not find out. A checkpoint without such settings prints nothing."""
+    from helpers import copy_with_generation_defaults
+
+    styled = copy_with_generation_defaults(
+        noisy_sft["policy"], tmp_path / "styled_policy", do_sample=True, top_k=5, temperature=0.7, repetition_penalty=1.3
+    )
+    for policy, name in ((styled, "styled"), (noisy_sft["policy"], "plain")):
+        train_grpo(_grpo(noisy_sft, tmp_path, name, f"model.path={policy}", "run.max_steps=1", "run.batch_size=16"))
+        out = capsys.readouterr().out
+        line = (
+            "[grpo] the checkpoint's generation_config (do_sample=True, repetition_penalty=1.3, temperature=0.7, "
+            "top_k=5) is not used: rollouts sample softmax(logits / sampling.temperature)"
+        )
+        assert (line in out) == (name == "styled"), out
+        assert ("generation_config" in out) == (name == "styled"), out

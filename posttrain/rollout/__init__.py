@@ -9,7 +9,7 @@ from posttrain.rollout.base import (
     response_mask_from_ends,
 )
 from posttrain.rollout.engines import RolloutConfig, build_engine
-from posttrain.rollout.hf import HFEngine, eos_token_ids
+from posttrain.rollout.hf import HFEngine, eos_token_ids, ignored_checkpoint_sampling
 from posttrain.rollout.lean import LeanEngine
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "build_engine",
     "concat_rollouts",
     "eos_token_ids",
+    "ignored_checkpoint_sampling",
     "left_pad",
     "response_mask_from_ends",
 ]

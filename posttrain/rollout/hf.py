@@ -148,6 +148,20 @@ def sampling_generation_config(params: SamplingParams, stop_ids: list[int], pad_
     )
 
 
+def ignored_checkpoint_sampling(model: nn.Module) -> dict:
+    """The sampling settings of the checkpoint's generation_config.json (an instruct model's temperature,
+    top_k, repetition penalty, ...) that differ from an empty GenerationConfig: posttrain does not apply
+    them (the module docstring), and a run says so once at start."""
+    from transformers import GenerationConfig
+
+    configured = getattr(model, "generation_config", None)
+    if configured is None:
+        return {}
+    default = GenerationConfig()
+    keys = sorted({*NEUTRAL_GENERATION, "do_sample", "temperature"} - {"num_return_sequences"})
+    return {k: getattr(configured, k, None) for k in keys if getattr(configured, k, None) != getattr(default, k, None)}
+
+
 @contextlib.contextmanager
 def _checkpoint_defaults_off(model: nn.Module):
     """Inside: the transformers model under ``model`` (itself, or the one a peft wrapper holds) has an

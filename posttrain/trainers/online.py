@@ -32,7 +32,14 @@ from posttrain.models import (
 )
 from posttrain.monitor import RunMonitor
 from posttrain.rewards import reward_columns
-from posttrain.rollout import Rollout, RolloutConfig, RolloutEngine, SamplingParams, build_engine
+from posttrain.rollout import (
+    Rollout,
+    RolloutConfig,
+    RolloutEngine,
+    SamplingParams,
+    build_engine,
+    ignored_checkpoint_sampling,
+)
 from posttrain.trainers import engines
 from posttrain.trainers.checkpoint import save_checkpoint
 from posttrain.trainers.inputs import check_batch_split, check_inputs
@@ -99,6 +106,13 @@ class OnlineTrainer:
             )
         self.policy = policy
         self.accelerator.print(f"[{self.name}] rollout: {self.config.rollout.describe()}")
+        ignored = ignored_checkpoint_sampling(policy)
+        if ignored:
+            settings = ", ".join(f"{k}={v}" for k, v in ignored.items())
+            self.accelerator.print(
+                f"[{self.name}] the checkpoint's generation_config ({settings}) is not used: rollouts sample "
+                "softmax(logits / sampling.temperature), then sampling.top_k / sampling.top_p, nothing else"
+            )
         self.engine = build_engine(
             self.config.rollout, policy, self.tokenizer, self.config.model.path, self.config.run.seed
         )
