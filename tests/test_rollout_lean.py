@@ -223,3 +223,22 @@ def test_online_trainers_with_the_lean_engine_start_on_policy_and_time_every_pha
         phases += ["values"] if trainer == "ppo" else []
         parts = sum(record[f"time/{p}"] for p in phases)
         assert record["time/other"] >= 0 and abs(parts + record["time/other"] - record["time/step"]) < 1e-9
+
+
+def test_kv_cache_passes_raise_no_deprecation_warning(policy_config, tokenizer):
+    """New-user trial (fourth session): every lean run printed transformers' FutureWarning for
+    `past_key_values` (renamed `cache` in 5.24, removal announced for 5.40): the model's-own-forward
+    decoder (here a LoRA policy) and the prompt cache now pass the keyword the model takes."""
+    import warnings
+
+    from posttrain.models import prompt_cached_logprobs
+
+    lora = load_policy(ModelConfig(path=policy_config.path, lora={"r": 2, "target_modules": ["q_proj"]}))
+    prompts = _prompts(tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        rollout = LeanEngine(lora, tokenizer).generate(prompts, SamplingParams(max_new_tokens=4), n=2)
+        with torch.no_grad():
+            prompt_cached_logprobs(
+                lora, rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.prompt_index
+            )

@@ -566,7 +566,12 @@ def test_a_run_says_the_checkpoints_generation_config_is_not_used(noisy_sft, tmp
     from helpers import copy_with_generation_defaults
 
     styled = copy_with_generation_defaults(
-        noisy_sft["policy"], tmp_path / "styled_policy", do_sample=True, top_k=5, temperature=0.7, repetition_penalty=1.3
+        noisy_sft["policy"],
+        tmp_path / "styled_policy",
+        do_sample=True,
+        top_k=5,
+        temperature=0.7,
+        repetition_penalty=1.3,
     )
     for policy, name in ((styled, "styled"), (noisy_sft["policy"], "plain")):
         train_grpo(_grpo(noisy_sft, tmp_path, name, f"model.path={policy}", "run.max_steps=1", "run.batch_size=16"))

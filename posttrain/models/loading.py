@@ -180,6 +180,16 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword a model's forward takes its KV cache by: ``cache`` from transformers 5.24 on
+    (``past_key_values`` warns there, removal announced for 5.40), ``past_key_values`` before (.venv-vllm's
+    5.19)."""
+    import inspect
+
+    parameters = inspect.signature(type(unwrap_model(model)).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def checkpointing_on(model: nn.Module) -> bool:
     """Whether gradient (activation) checkpointing is on: a training forward then recomputes its layers in
     backward and turns the KV cache off. transformers 5.24 renamed the flag; .venv-vllm's 5.19 has only

@@ -29,6 +29,7 @@ from posttrain.core.packing import (
 )
 from posttrain.models.loading import (
     ModelConfig,
+    cache_keyword,
     disable_dropout,
     is_peft_adapter,
     load_causal_lm,
@@ -276,7 +277,7 @@ def prompt_cached_logprobs(
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids_from_mask(mask),
-            past_key_values=cache,
+            **{cache_keyword(model): cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -288,7 +289,11 @@ def prompt_cached_logprobs(
         start = mask.sum(1)[group_of_row][:, None]  # the prompt's own length: positions continue from it
         positions = start + torch.arange(rest.shape[1], device=rest.device)
         out = model(
-            input_ids=rest, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True
+            input_ids=rest,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            **{cache_keyword(model): cache},
         )
         logits = torch.cat([logits, out.logits], dim=1)  # [b, T, V]
     logprobs = token_logprobs(logits, response_ids, temperature=temperature)

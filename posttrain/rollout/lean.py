@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from posttrain.models.loading import checkpointing_on
+from posttrain.models.loading import cache_keyword, checkpointing_on
 from posttrain.rollout.base import Rollout, SamplingParams, build_rollout, left_pad
 from posttrain.rollout.hf import HFEngine, eos_token_ids
 
@@ -204,7 +204,7 @@ class _ModelDecoder:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=self.cache,
+            **{cache_keyword(self.model): self.cache},
             use_cache=True,
             logits_to_keep=1,
         )
