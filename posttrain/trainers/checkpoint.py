@@ -51,6 +51,7 @@ RESUMABLE_CHANGES = frozenset(
         "run.progress",
         "run.report_to",
         "run.max_nonfinite_steps",
+        "run.keep_freed_memory",
         "log_completions",
     }
 )
