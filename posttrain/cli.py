@@ -5,6 +5,7 @@ posttrain rm  --config examples/rm_tiny.yaml
 posttrain dpo --help          # every option, its default and its doc
 posttrain tiny --out runs/tiny   # build the tiny offline models the examples use
 posttrain eval --model runs/grpo/final/policy --data prompts.jsonl --rewards posttrain.rewards.builtin:exact_answer
+posttrain eval --model runs/rm/final/reward --data held_out_pairs.jsonl   # a reward model: accuracy, length bias
 posttrain report runs/grpo runs/ppo --out report.html
 posttrain vllm-serve --model PATH   # a vLLM server for rollout.mode=server
 """
@@ -100,10 +101,18 @@ def _add_eval_parser(sub) -> None:
     p = sub.add_parser(
         "eval",
         help="held-out evaluation of any checkpoint: accuracy, pass@k, mean rewards, lengths",
-        description="Generate for the prompts of --data and score the completions: a table and a JSON summary.",
+        description="Generate for the prompts of --data and score the completions: a table and a JSON summary. "
+        "A reward model (what `posttrain rm` writes) is evaluated on ranked pairs instead: its loss, pairwise "
+        "accuracy, margin, score spread and length bias on --data's pairs or rankings (key=value options: "
+        "RMEvalConfig's, e.g. batch_size=32 data.chat_template=never).",
     )
     p.add_argument("--model", required=True, help="model folder, hub id, or LoRA adapter folder")
-    p.add_argument("--data", required=True, help="prompt rows {prompt, ...}; other columns go to the rewards")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="prompt rows {prompt, ...}, other columns go to the rewards; for a reward model: pairs "
+        "{prompt, chosen, rejected} or rankings {prompt, responses: [best, ..., worst]}",
+    )
     p.add_argument("--rewards", default="", help="comma-separated reward functions (module:function)")
     p.add_argument("--reward-model", action="append", default=[], help="a reward model folder (repeatable)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = one greedy completion per prompt")
@@ -136,12 +145,59 @@ def _eval_overrides(args) -> list[str]:
     return out + list(args.overrides)
 
 
+# `posttrain eval` flags that mean generation, with their defaults: a reward model is evaluated without it
+_GENERATION_FLAGS = {
+    "rewards": "",
+    "reward_model": [],
+    "temperature": 0.0,
+    "n": 1,
+    "k": "",
+    "greedy": False,
+    "max_new_tokens": None,
+}
+
+
+def _run_reward_model_eval(parser, args) -> int:
+    """``posttrain eval`` of a reward model on ranked pairs (``trainers.rm.evaluate``)."""
+    from posttrain.data import DataError, NoUsableRows
+    from posttrain.monitor.evaluate import format_table
+    from posttrain.trainers.config import load_config
+    from posttrain.trainers.inputs import check_inputs
+    from posttrain.trainers.rm import RMEvalConfig, evaluate
+
+    given = [f"--{k.replace('_', '-')}" for k, default in _GENERATION_FLAGS.items() if getattr(args, k) != default]
+    if given:
+        parser.exit(
+            2,
+            f"posttrain eval: error: {args.model} is a reward model, evaluated on the ranked pairs of --data "
+            f"without generating: {', '.join(given)} does not apply\n",
+        )
+    overrides = [f"model.path={args.model}", f"data.path={args.data}"]
+    overrides += [f"output_dir={args.output_dir}"] if args.output_dir else []
+    try:
+        config = load_config(RMEvalConfig, args.config, overrides + list(args.overrides))
+        check_inputs(config)
+        metrics = evaluate(config)
+    except (ValueError, FileNotFoundError, DataError, NoUsableRows) as err:
+        parser.exit(2, f"posttrain eval: error: {err}\n")
+    print(format_table(metrics))
+    note = "accuracy: the share of ordered pairs the model scores in order"
+    if any(k.startswith("eval/accuracy_better_") for k in metrics):
+        note += "; accuracy_better_longer / _shorter: the same over the pairs whose better response is longer / shorter"
+    print(f"({note})")
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
 def _run_eval(parser, args) -> int:
     from posttrain.data import DataError, NoUsableRows
+    from posttrain.models import is_reward_checkpoint
     from posttrain.monitor.evaluate import EvalRunConfig, evaluate_checkpoint, format_table
     from posttrain.trainers.config import load_config
     from posttrain.trainers.inputs import check_inputs
 
+    if is_reward_checkpoint(args.model):
+        return _run_reward_model_eval(parser, args)
     try:
         config = load_config(EvalRunConfig, args.config, _eval_overrides(args))
         check_inputs(config)  # the trainers' checks: paths, reward functions, length limits

@@ -157,6 +157,8 @@ def test_reward_model_with_lora_trains_and_saves_an_adapter(tiny_dir, tmp_path):
     result = rm.train(config)
     saved = tmp_path / "rm" / "final" / "reward"
     assert (saved / "adapter_config.json").is_file() and not (saved / "model.safetensors").exists()
+    to_save = json.loads((saved / "adapter_config.json").read_text())["modules_to_save"]
+    assert "score" in to_save and len(to_save) == len(set(to_save)), to_save  # new-user trial: "score" twice
     tokenizer = load_tokenizer(str(saved))
     examples, _ = rm.load_ranking_data(config, tokenizer)
     _, held_out = split_train_eval(examples, config.data.eval_fraction, config.run.seed)
@@ -166,6 +168,12 @@ def test_reward_model_with_lora_trains_and_saves_an_adapter(tiny_dir, tmp_path):
         loss, _ = task.loss(RewardScorer(load_reward_model(rm.ModelConfig(path=str(saved), device="cpu"))), batch)
     assert float(loss) / len(held_out) == pytest.approx(result["eval_metrics"]["eval/loss"], abs=1e-5)
     assert result["eval_metrics"]["eval/loss"] != pytest.approx(0.6931, abs=1e-3)  # it trained
+    # `posttrain eval` of the adapter (rm.evaluate): the task's loss over every pair
+    evaluated = rm.evaluate(rm.RMEvalConfig(model=rm.ModelConfig(path=str(saved)), data=config.data, batch_size=7))
+    with torch.no_grad():
+        loss, _ = task.loss(RewardScorer(load_reward_model(rm.ModelConfig(path=str(saved)))), task.collate(examples))
+    assert evaluated["eval/loss"] == pytest.approx(float(loss) / len(examples), abs=1e-5)
+    assert evaluated["eval/rankings"] == len(examples) == 40
     with pytest.raises(ValueError, match="normalize_policy with model.lora"):
         load_config(RMConfig, None, ["model.path=m", "data.path=d", f"model.lora={lora}", "normalize_policy=p"])
 

@@ -12,6 +12,7 @@ themselves to eval mode.
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -236,3 +237,18 @@ def load_scalar_model(config: ModelConfig, kind: str, new_head: bool = True, wha
 def is_peft_adapter(path: str) -> bool:
     """Whether ``path`` is a local folder holding a peft adapter (adapter_config.json)."""
     return (Path(path) / "adapter_config.json").is_file()
+
+
+def is_reward_checkpoint(path: str) -> bool:
+    """Whether ``path`` holds a reward model: a *ForSequenceClassification checkpoint, or a peft
+    adapter of task SEQ_CLS (what ``posttrain rm`` writes). A Hub id is read from the local cache;
+    a path that cannot be read is not one (the loading code then says what is wrong with it)."""
+    if is_peft_adapter(path):
+        return json.loads((Path(path) / "adapter_config.json").read_text()).get("task_type") == "SEQ_CLS"
+    try:
+        from transformers import AutoConfig
+
+        architectures = AutoConfig.from_pretrained(path).architectures or []
+    except (OSError, ValueError):
+        return False
+    return any(a.endswith("ForSequenceClassification") for a in architectures)

@@ -16,8 +16,10 @@ last token; the scores are the same up to float rounding.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -37,6 +39,7 @@ from posttrain.models import (
     RewardScorer,
     adapter_base,
     load_causal_lm,
+    load_reward_model,
     load_scalar_model,
     load_tokenizer,
     peft_wrapping,
@@ -145,18 +148,25 @@ class RMTask:
     def count(self, batch: RankingBatch) -> int:
         return len(batch.ks)
 
+    def scores(self, model, batch: RankingBatch) -> torch.Tensor:
+        """One forward over every response of the batch: [Σ K_b] scores, ranking b's responses best
+        first, then ranking b + 1's. ``model``: a ``RewardScorer``."""
+        if isinstance(batch.sequences, SharedPrefixBatch):
+            return model(packed=batch.sequences)
+        return model(batch.sequences.input_ids, batch.sequences.attention_mask)
+
     def loss(self, model, batch: RankingBatch):
-        """One forward over every response of the batch; then the rankings of each K at once, [R_K, K]."""
-        if isinstance(batch.sequences, SharedPrefixBatch):  # model: a RewardScorer
-            scores = model(packed=batch.sequences)  # [Σ K_b], in the same order
-        else:
-            scores = model(batch.sequences.input_ids, batch.sequences.attention_mask)
-        starts = torch.tensor([0, *batch.ks[:-1]], device=scores.device).cumsum(0)
-        ks = torch.tensor(batch.ks, device=scores.device)
+        return self.ranking_loss(self.scores(model, batch), batch.ks)
+
+    def ranking_loss(self, scores: torch.Tensor, ks: list[int]):
+        """The loss summed over the rankings and the sums ``finalize`` reads. scores: [Σ K_b] as
+        ``scores`` returns them; the rankings of each K at once, [R_K, K]."""
+        starts = torch.tensor([0, *ks[:-1]], device=scores.device).cumsum(0)
+        k_of = torch.tensor(ks, device=scores.device)
         loss_sum = scores.new_zeros(())
         sums = {k: scores.new_zeros(()) for k in ("correct", "pairs", "margin", "score", "score_sq", "responses")}
-        for k in sorted(set(batch.ks)):  # rankings may differ in K
-            first = starts[ks == k]
+        for k in sorted(set(ks)):  # rankings may differ in K
+            first = starts[k_of == k]
             rankings = scores[first[:, None] + torch.arange(k, device=scores.device)]  # [R_K, K], best first
             loss_sum = loss_sum + ranking_loss(rankings, margin=self.margin) * len(first)
             better, worse = ranking_pairs(k, scores.device)
@@ -215,7 +225,10 @@ def train(config: RMConfig, callbacks=()) -> dict:
             model = get_peft_model(
                 model, LoraConfig(**{"task_type": "SEQ_CLS", "modules_to_save": ["score"], **config.model.lora})
             )
-        model.peft_config["default"].base_model_name_or_path = adapter_base(config.model.path)
+        adapter = model.peft_config["default"]
+        adapter.base_model_name_or_path = adapter_base(config.model.path)
+        # peft's SEQ_CLS wrapper appends its own "classifier", "score" to the list given: each name once
+        adapter.modules_to_save = list(dict.fromkeys(adapter.modules_to_save))
     scorer = RewardScorer(model)  # trained through its forward: DDP synchronises its gradients
     shared = resolve_shared_prefix(config.shared_prefix, [model], lambda line: accelerator.print(f"[rm] {line}"))
     task = RMTask(tokenizer.pad_token_id, config.margin, config.center_coef, shared)
@@ -262,3 +275,90 @@ def normalize_reward(model, tokenizer, config: RMConfig, device) -> dict:
     stats = {"mean": float(scores.mean()), "std": float(scores.std().clamp(min=1e-6)), "samples": len(scores)}
     model.config.reward_normalization = stats
     return stats
+
+
+@dataclass
+class RMEvalConfig:
+    """``posttrain eval`` of a reward model: its scores on held-out pairs or rankings."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The reward model: a *ForSequenceClassification folder, a hub id, or a LoRA reward-model adapter."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Pairs {"prompt", "chosen", "rejected"} or rankings {"prompt", "responses": [best, ..., worst]}."""
+    data_format: str = "auto"
+    """pairs, rankings, or auto (pairs when the first row has 'chosen')."""
+    margin: float = 0.0
+    """The margin of the loss reported (as in training); 0 = plain Bradley–Terry."""
+    batch_size: int = 16
+    """Rankings scored per forward."""
+    output_dir: str | None = None
+    """Folder for eval_summary.json and eval_scores.jsonl (each ranking's responses, scores and lengths in
+    tokens, EOS included); null = print only."""
+
+    def validate(self) -> None:
+        validate_sections(self)
+        check_choice("data_format", self.data_format, DATA_FORMATS)
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+
+def evaluate(config: RMEvalConfig) -> dict:
+    """Score every response of ``config.data`` with the reward model; the ``eval/`` metrics.
+
+    As the trainer's held-out metrics: ``loss`` (the ranking loss, mean over rankings), ``accuracy``
+    (the share of ordered pairs scored in order), ``margin`` (mean r_better − r_worse), ``score_mean``,
+    ``score_std``. And the length bias a reward model learns from human labels (longer answers tend to be
+    preferred): ``length_corr``, Pearson's r between a response's score and its length in tokens, and
+    ``accuracy_better_longer`` / ``accuracy_better_shorter``, the accuracy over the pairs whose better
+    response is the longer / the shorter one (each left out when no pair is of that kind). A model
+    that ranks by length scores well only on the first.
+    """
+    config.validate()
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+    examples, _ = load_ranking_data(config, tokenizer)
+    scorer = RewardScorer(load_reward_model(config.model))
+    device = next(scorer.parameters()).device
+    task = RMTask(tokenizer.pad_token_id, config.margin, 0.0)
+    sums: dict[str, float] = {}
+    scores: list[float] = []
+    with torch.inference_mode():
+        for start in range(0, len(examples), config.batch_size):
+            batch = task.collate(examples[start : start + config.batch_size]).to(device)
+            batch_scores = task.scores(scorer, batch).float()
+            for key, value in task.ranking_loss(batch_scores, batch.ks)[1].items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            scores += batch_scores.cpu().tolist()
+    metrics = {f"eval/{k}": float(v) for k, v in task.finalize(sums, len(examples)).items()}
+    metrics["eval/rankings"], metrics["eval/pairs"] = len(examples), int(sums["pairs"])
+    lengths = [len(r) for e in examples for r in e.response_ids]
+    if len(set(lengths)) > 1 and len(set(scores)) > 1:
+        metrics["eval/length_corr"] = float(torch.corrcoef(torch.tensor([scores, lengths], dtype=torch.float64))[0, 1])
+    starts = [0]
+    for example in examples:
+        starts.append(starts[-1] + len(example.response_ids))
+    by_length = {"longer": [0, 0], "shorter": [0, 0]}  # [pairs in order, pairs]
+    for example, first in zip(examples, starts, strict=False):
+        for i, j in torch.stack(ranking_pairs(len(example.response_ids))).T.tolist():
+            better, worse = first + i, first + j
+            if lengths[better] != lengths[worse]:
+                kind = by_length["longer" if lengths[better] > lengths[worse] else "shorter"]
+                kind[0] += scores[better] > scores[worse]
+                kind[1] += 1
+    for kind, (correct, pairs) in by_length.items():
+        if pairs:
+            metrics[f"eval/accuracy_better_{kind}"] = correct / pairs
+            metrics[f"eval/pairs_better_{kind}"] = pairs
+    if config.output_dir:
+        out = Path(config.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval_summary.json").write_text(json.dumps(metrics, indent=2))
+        with open(out / "eval_scores.jsonl", "w") as f:
+            for example, first, end in zip(examples, starts, starts[1:], strict=False):
+                row = {
+                    "prompt": tokenizer.decode(example.prompt_ids, skip_special_tokens=True),
+                    "responses": [tokenizer.decode(r, skip_special_tokens=True) for r in example.response_ids],
+                    "scores": scores[first:end],
+                    "lengths": lengths[first:end],
+                }
+                f.write(json.dumps(row) + "\n")
+    return metrics

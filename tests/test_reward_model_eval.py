@@ -1,0 +1,110 @@
+"""``posttrain eval`` of a reward model (new-user trial, fourth session: there was no way to measure a
+trained reward model on held-out pairs): loss, pairwise accuracy, margin, score spread and length bias,
+each checked against scores computed one response at a time."""
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from posttrain.data import DataConfig
+from posttrain.models import ModelConfig, is_reward_checkpoint, load_reward_model, load_tokenizer, sequence_scores
+from posttrain.trainers import rm
+
+# rankings of K = 3 and K = 2, responses of different lengths, best first
+ROWS = [
+    {"prompt": "rank:", "responses": ["aeiou", "ab", "bcdfgh"]},
+    {"prompt": "vowels?", "responses": ["oo", "kaaaaa"]},
+    {"prompt": "rank:", "responses": ["ieaxyz", "eb", "c"]},
+    {"prompt": "x", "responses": ["u", "zzzz"]},
+    {"prompt": "count", "responses": ["aaa", "bbbbbbb", "cc"]},
+]
+
+
+@pytest.fixture
+def rankings(tmp_path):
+    path = tmp_path / "rankings.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def _by_hand(model_dir, config) -> tuple[dict, list[list[float]]]:
+    """The metrics from each response scored alone ([1, L], no padding, no batch)."""
+    tokenizer = load_tokenizer(str(model_dir))
+    examples, _ = rm.load_ranking_data(config, tokenizer)
+    model = load_reward_model(ModelConfig(path=str(model_dir), device="cpu"))
+    scores, lengths = [], []
+    with torch.no_grad():
+        for e in examples:
+            ids = [torch.tensor([e.prompt_ids + r]) for r in e.response_ids]
+            scores.append([float(sequence_scores(model, x, torch.ones_like(x))) for x in ids])
+            lengths.append([len(r) for r in e.response_ids])
+    losses, diffs, by_length = [], [], {"longer": [], "shorter": []}
+    for s, n in zip(scores, lengths, strict=True):
+        pairs = [(i, j) for i in range(len(s)) for j in range(i + 1, len(s))]
+        losses.append(statistics.fmean(math.log1p(math.exp(-(s[i] - s[j]))) for i, j in pairs))
+        diffs += [s[i] - s[j] for i, j in pairs]
+        for i, j in pairs:
+            if n[i] != n[j]:
+                by_length["longer" if n[i] > n[j] else "shorter"].append(s[i] > s[j])
+    flat = [x for s in scores for x in s]
+    expected = {
+        "eval/loss": statistics.fmean(losses),
+        "eval/accuracy": sum(d > 0 for d in diffs) / len(diffs),
+        "eval/margin": statistics.fmean(diffs),
+        "eval/score_mean": statistics.fmean(flat),
+        "eval/score_std": statistics.pstdev(flat),
+        "eval/rankings": len(examples),
+        "eval/pairs": len(diffs),
+        "eval/length_corr": statistics.correlation(flat, [float(x) for n in lengths for x in n]),
+    }
+    for kind, correct in by_length.items():
+        expected[f"eval/accuracy_better_{kind}"] = sum(correct) / len(correct)
+        expected[f"eval/pairs_better_{kind}"] = len(correct)
+    return expected, scores
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 16])
+def test_reward_model_eval_equals_each_response_scored_alone(tiny_dir, tmp_path, rankings, batch_size):
+    config = rm.RMEvalConfig(
+        model=ModelConfig(path=str(tiny_dir / "reward")),
+        data=DataConfig(path=str(rankings), chat_template="never"),
+        batch_size=batch_size,
+        output_dir=str(tmp_path / "out"),
+    )
+    metrics = rm.evaluate(config)
+    expected, scores = _by_hand(tiny_dir / "reward", config)
+    assert metrics.keys() == expected.keys()
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-5), key
+    assert (
+        expected["eval/pairs_better_longer"] + expected["eval/pairs_better_shorter"] == 11
+    )  # no two responses of a ranking are as long
+    assert json.loads((tmp_path / "out" / "eval_summary.json").read_text()) == metrics
+    rows = [json.loads(line) for line in (tmp_path / "out" / "eval_scores.jsonl").read_text().splitlines()]
+    assert [r["responses"] for r in rows] == [r["responses"] for r in ROWS]
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in ROWS]
+    for row, alone in zip(rows, scores, strict=True):
+        assert row["scores"] == pytest.approx(alone, abs=1e-5)
+
+
+def test_posttrain_eval_of_a_reward_model_on_the_command_line(tiny_dir, tmp_path, rankings):
+    """A reward model given to `posttrain eval` is evaluated on pairs; generation flags are refused."""
+    assert is_reward_checkpoint(str(tiny_dir / "reward")) and not is_reward_checkpoint(str(tiny_dir / "policy"))
+    command = [sys.executable, "-m", "posttrain.cli", "eval", "--model", str(tiny_dir / "reward")]
+    command += ["--data", str(rankings), "--output-dir", str(tmp_path / "out"), "data.chat_template=never"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "eval_summary.json").read_text())
+    assert summary["eval/rankings"] == 5 and summary["eval/pairs"] == 11
+    assert json.loads(done.stdout[done.stdout.index("{") :]) == summary
+    assert "eval/accuracy_better_longer" in done.stdout.split("{")[0]  # the table
+    refused = subprocess.run(command + ["--temperature", "1", "--n", "4"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2
+    assert "is a reward model, evaluated on the ranked pairs of --data without generating: --temperature, --n" in (
+        refused.stderr
+    )
