@@ -120,8 +120,12 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--k", default="", help="comma-separated k for pass@k (default 1 and n)")
     p.add_argument("--greedy", action="store_true", help="also a greedy pass when temperature > 0")
     p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--output-dir", default=None, help="write eval_summary.json and eval_samples.jsonl here")
-    p.add_argument("--config", help="YAML file with EvalRunConfig options")
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="write eval_summary.json and eval_samples.jsonl (a reward model: eval_scores.jsonl) here",
+    )
+    p.add_argument("--config", help="YAML file with EvalRunConfig options (a reward model: RMEvalConfig's)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.chat_template=never eval.seed=1")
 
 

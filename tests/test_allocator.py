@@ -63,3 +63,27 @@ def test_keep_freed_memory_is_on_by_default_and_a_bool():
     assert load_config(SFTConfig, None, ["model.path=m", "data.path=d"]).run.keep_freed_memory is True
     off = load_config(SFTConfig, None, ["model.path=m", "data.path=d", "run.keep_freed_memory=false"])
     assert off.run.keep_freed_memory is False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize(
+    ("variable", "value", "applied"),
+    [
+        ("PYTHONHASHSEED", "0", True),
+        ("MALLOC_MMAP_THRESHOLD_", "65536", False),
+        ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1000000", False),
+        ("LD_PRELOAD", "/usr/lib/libjemalloc.so.2", False),
+    ],
+)
+def test_the_users_own_malloc_settings_win(variable, value, applied):
+    """Review finding: the fixed thresholds overrode a user's MALLOC_* / GLIBC_TUNABLES settings."""
+    import os
+
+    code = "from posttrain.trainers.engines import keep_freed_memory; print(keep_freed_memory())"
+    # the check reads the variables, so a preload that does not exist here changes nothing else
+    env = {**os.environ, variable: value} if variable != "LD_PRELOAD" else {**os.environ}
+    if variable == "LD_PRELOAD":
+        code = f"import os; os.environ['LD_PRELOAD'] = {value!r}; " + code
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == str(applied)

@@ -169,6 +169,9 @@ def test_reward_model_with_lora_trains_and_saves_an_adapter(tiny_dir, tmp_path):
     assert float(loss) / len(held_out) == pytest.approx(result["eval_metrics"]["eval/loss"], abs=1e-5)
     assert result["eval_metrics"]["eval/loss"] != pytest.approx(0.6931, abs=1e-3)  # it trained
     # `posttrain eval` of the adapter (rm.evaluate): the task's loss over every pair
+    from posttrain.models import is_reward_checkpoint
+
+    assert is_reward_checkpoint(str(saved))
     evaluated = rm.evaluate(rm.RMEvalConfig(model=rm.ModelConfig(path=str(saved)), data=config.data, batch_size=7))
     with torch.no_grad():
         loss, _ = task.loss(RewardScorer(load_reward_model(rm.ModelConfig(path=str(saved)))), task.collate(examples))

@@ -60,6 +60,9 @@ def _by_hand(model_dir, config) -> tuple[dict, list[list[float]]]:
         "eval/score_std": statistics.pstdev(flat),
         "eval/rankings": len(examples),
         "eval/pairs": len(diffs),
+        "eval/rows_read": len(ROWS),
+        "eval/rows_truncated": 0,
+        "eval/rows_dropped": 0,
         "eval/length_corr": statistics.correlation(flat, [float(x) for n in lengths for x in n]),
     }
     for kind, correct in by_length.items():
@@ -108,3 +111,53 @@ def test_posttrain_eval_of_a_reward_model_on_the_command_line(tiny_dir, tmp_path
     assert "is a reward model, evaluated on the ranked pairs of --data without generating: --temperature, --n" in (
         refused.stderr
     )
+
+
+def test_reward_model_eval_reads_raw_scores_and_reports_what_the_data_limits_did(tiny_dir, tmp_path, rankings):
+    """Review findings: a checkpoint's reward_normalization changed loss and margin (the trainer's
+    held-out metrics are on raw scores); rows cut or dropped by data.max_length went unmentioned."""
+    import shutil
+
+    normalized = tmp_path / "normalized"
+    shutil.copytree(tiny_dir / "reward", normalized)
+    config_file = normalized / "config.json"
+    config_json = json.loads(config_file.read_text())
+    config_json["reward_normalization"] = {"mean": 0.5, "std": 0.05, "samples": 64}
+    config_file.write_text(json.dumps(config_json))
+    data = DataConfig(path=str(rankings), chat_template="never")
+    raw = rm.evaluate(rm.RMEvalConfig(model=ModelConfig(path=str(tiny_dir / "reward")), data=data))
+    lines = []
+    got = rm.evaluate(rm.RMEvalConfig(model=ModelConfig(path=str(normalized)), data=data), log=lines.append)
+    for key, value in raw.items():
+        assert got[key] == pytest.approx(value, abs=1e-6), key
+    assert got["eval/normalized_score_mean"] == pytest.approx((raw["eval/score_mean"] - 0.5) / 0.05, abs=1e-4)
+    assert got["eval/normalized_score_std"] == pytest.approx(raw["eval/score_std"] / 0.05, abs=1e-4)
+    assert lines == ["[eval] data: 5 rows read, 5 kept, 0 truncated"]
+    short = DataConfig(path=str(rankings), chat_template="never", max_length=8)
+    lines.clear()
+    cut = rm.evaluate(rm.RMEvalConfig(model=ModelConfig(path=str(tiny_dir / "reward")), data=short), log=lines.append)
+    assert cut["eval/rows_read"] == 5 and cut["eval/rows_truncated"] + cut["eval/rows_dropped"] > 0, cut
+    assert "truncated" in lines[0] and "[eval] data: 5 rows read" in lines[0]
+
+
+def test_only_a_one_label_classifier_or_a_seq_cls_adapter_is_a_reward_checkpoint(tiny_dir, tmp_path):
+    """Review findings: a 2-label classifier counted as a reward model; a Hub id went to the network;
+    a broken adapter_config.json raised."""
+    import shutil
+
+    two = tmp_path / "two_labels"
+    shutil.copytree(tiny_dir / "reward", two)
+    config_json = json.loads((two / "config.json").read_text())
+    config_json["id2label"] = {"0": "a", "1": "b"}
+    config_json["label2id"] = {"a": 0, "b": 1}
+    (two / "config.json").write_text(json.dumps(config_json))
+    assert is_reward_checkpoint(str(tiny_dir / "reward")) and not is_reward_checkpoint(str(two))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"task_type": "SEQ_CLS"}')
+    assert is_reward_checkpoint(str(adapter))
+    (adapter / "adapter_config.json").write_text('{"task_type": "CAUSAL_LM"}')
+    assert not is_reward_checkpoint(str(adapter))
+    (adapter / "adapter_config.json").write_text("{not json")
+    assert not is_reward_checkpoint(str(adapter))
+    assert not is_reward_checkpoint("nobody-has/this-model-in-the-cache")  # local cache only: no network

@@ -240,15 +240,17 @@ def is_peft_adapter(path: str) -> bool:
 
 
 def is_reward_checkpoint(path: str) -> bool:
-    """Whether ``path`` holds a reward model: a *ForSequenceClassification checkpoint, or a peft
-    adapter of task SEQ_CLS (what ``posttrain rm`` writes). A Hub id is read from the local cache;
-    a path that cannot be read is not one (the loading code then says what is wrong with it)."""
-    if is_peft_adapter(path):
-        return json.loads((Path(path) / "adapter_config.json").read_text()).get("task_type") == "SEQ_CLS"
+    """Whether ``path`` holds a reward model: a *ForSequenceClassification checkpoint with one label,
+    or a peft adapter of task SEQ_CLS (what ``posttrain rm`` writes). Read from local files only (a
+    Hub id from the local cache, never the network); a path that cannot be read that way is not one,
+    and the loading code then says what is wrong with it."""
     try:
+        if is_peft_adapter(path):
+            return json.loads((Path(path) / "adapter_config.json").read_text()).get("task_type") == "SEQ_CLS"
         from transformers import AutoConfig
 
-        architectures = AutoConfig.from_pretrained(path).architectures or []
-    except (OSError, ValueError):
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):  # JSONDecodeError is a ValueError
         return False
-    return any(a.endswith("ForSequenceClassification") for a in architectures)
+    classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+    return classifier and getattr(config, "num_labels", 1) == 1

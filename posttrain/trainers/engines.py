@@ -114,11 +114,22 @@ def keep_freed_memory() -> bool:
     activation-sized tensors every step, so the OS hands them back as new zero-filled pages: ~1,370
     page faults per step on the tiny GRPO bench (``/usr/bin/time -v``), 12 with the thresholds fixed
     at 32 MiB (mmap) and 1 GiB (trim). Peak RSS stays: the heap holds no more than the step's own peak.
-    Fixing the thresholds also turns glibc's dynamic adjustment off. Process-wide and idempotent.
+    Fixing the thresholds also turns glibc's dynamic adjustment off. Process-wide, for the rest of the
+    process, and idempotent. The cost: memory freed after a peak (up to the trim threshold) stays with
+    the process until it reuses it or ends, rather than going back to the OS.
 
-    Returns whether it applied (False without glibc, e.g. macOS or musl)."""
+    Returns whether it applied: False without glibc (macOS, musl), and when the user has set glibc's
+    malloc options themselves (``MALLOC_*_`` or ``GLIBC_TUNABLES=glibc.malloc.*``) or preloaded
+    another allocator (jemalloc, tcmalloc, mimalloc): theirs win."""
     import ctypes
 
+    env = os.environ
+    if (
+        any(k.startswith("MALLOC_") and k.endswith("_") for k in env)
+        or "glibc.malloc." in env.get("GLIBC_TUNABLES", "")
+        or any(name in env.get("LD_PRELOAD", "") for name in ("jemalloc", "tcmalloc", "mimalloc"))
+    ):
+        return False
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):
             return False

@@ -302,21 +302,29 @@ class RMEvalConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
 
-def evaluate(config: RMEvalConfig) -> dict:
+def evaluate(config: RMEvalConfig, log=print) -> dict:
     """Score every response of ``config.data`` with the reward model; the ``eval/`` metrics.
 
-    As the trainer's held-out metrics: ``loss`` (the ranking loss, mean over rankings), ``accuracy``
-    (the share of ordered pairs scored in order), ``margin`` (mean r_better − r_worse), ``score_mean``,
-    ``score_std``. And the length bias a reward model learns from human labels (longer answers tend to be
-    preferred): ``length_corr``, Pearson's r between a response's score and its length in tokens, and
-    ``accuracy_better_longer`` / ``accuracy_better_shorter``, the accuracy over the pairs whose better
-    response is the longer / the shorter one (each left out when no pair is of that kind). A model
-    that ranks by length scores well only on the first.
+    As the trainer's held-out metrics, on the raw scores (before a ``reward_normalization`` the
+    checkpoint holds, which the trainer's metrics precede too): ``loss`` (the ranking loss, mean over
+    rankings, without the centering term), ``accuracy`` (the share of ordered pairs scored in order),
+    ``margin`` (mean r_better − r_worse), ``score_mean``, ``score_std``; with a normalisation also
+    ``normalized_score_mean`` / ``_std``, the scores PPO reads. And the length bias a reward model learns
+    from human labels (longer answers tend to be preferred): ``length_corr``, Pearson's r between a
+    response's score and its length in tokens, and ``accuracy_better_longer`` /
+    ``accuracy_better_shorter``, the accuracy over the pairs whose better response is the longer / the
+    shorter one (each left out when no pair is of that kind). A model that ranks by length scores well
+    only on the first. ``rows_read`` / ``rows_truncated`` / ``rows_dropped``: what the data limits did
+    (the report is also ``log``ged). One process (``loop.evaluate_offline`` is the trainer's sharded one).
     """
     config.validate()
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
-    examples, _ = load_ranking_data(config, tokenizer)
-    scorer = RewardScorer(load_reward_model(config.model))
+    examples, report = load_ranking_data(config, tokenizer)
+    log(f"[eval] data: {report.summary()}")
+    model = load_reward_model(config.model)
+    normalization = getattr(model.config, "reward_normalization", None)
+    model.config.reward_normalization = None  # raw scores, as the trainer measured them
+    scorer = RewardScorer(model)
     device = next(scorer.parameters()).device
     task = RMTask(tokenizer.pad_token_id, config.margin, 0.0)
     sums: dict[str, float] = {}
@@ -329,7 +337,14 @@ def evaluate(config: RMEvalConfig) -> dict:
                 sums[key] = sums.get(key, 0.0) + float(value)
             scores += batch_scores.cpu().tolist()
     metrics = {f"eval/{k}": float(v) for k, v in task.finalize(sums, len(examples)).items()}
+    if normalization:
+        metrics["eval/normalized_score_mean"] = (metrics["eval/score_mean"] - normalization["mean"]) / normalization[
+            "std"
+        ]
+        metrics["eval/normalized_score_std"] = metrics["eval/score_std"] / normalization["std"]
     metrics["eval/rankings"], metrics["eval/pairs"] = len(examples), int(sums["pairs"])
+    metrics["eval/rows_read"], metrics["eval/rows_truncated"] = report.rows, report.truncated
+    metrics["eval/rows_dropped"] = report.rows - report.kept
     lengths = [len(r) for e in examples for r in e.response_ids]
     if len(set(lengths)) > 1 and len(set(scores)) > 1:
         metrics["eval/length_corr"] = float(torch.corrcoef(torch.tensor([scores, lengths], dtype=torch.float64))[0, 1])
