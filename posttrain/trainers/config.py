@@ -106,7 +106,8 @@ class RunConfig:
     instead of handing it back to the OS, which gives it again as fresh pages, one page fault each. Measured
     on the tiny bench models: 5–8 % of a step's time, peak RSS unchanged (bench/README.md). It applies to
     the whole process for the rest of its life, and not when the environment sets glibc's malloc options
-    or preloads another allocator (``engines.keep_freed_memory``); false leaves the allocator as it is."""
+    or preloads another allocator (``engines.keep_freed_memory``); what it holds goes back to the OS when
+    the run ends. false leaves the allocator as it is."""
 
     def validate(self, name: str = "run") -> None:
         for key in ("batch_size", "micro_batch_size", "log_every", "keep_last", "max_nonfinite_steps"):

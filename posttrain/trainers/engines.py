@@ -105,6 +105,16 @@ KEEP_MMAP_THRESHOLD = 32 << 20
 KEEP_TRIM_THRESHOLD = 1 << 30
 
 
+def _glibc():
+    """This process's C library when it is glibc (ctypes), else None (macOS, musl, Windows)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None) if os.confstr("CS_GNU_LIBC_VERSION") else None
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Keep freed CPU memory in this process's heap, for glibc's malloc (``run.keep_freed_memory``).
 
@@ -116,13 +126,11 @@ def keep_freed_memory() -> bool:
     at 32 MiB (mmap) and 1 GiB (trim). Peak RSS stays: the heap holds no more than the step's own peak.
     Fixing the thresholds also turns glibc's dynamic adjustment off. Process-wide, for the rest of the
     process, and idempotent. The cost: memory freed after a peak (up to the trim threshold) stays with
-    the process until it reuses it or ends, rather than going back to the OS.
+    the process until it reuses it, or until the run ends (``release_freed_memory``).
 
     Returns whether it applied: False without glibc (macOS, musl), and when the user has set glibc's
     malloc options themselves (``MALLOC_*_`` or ``GLIBC_TUNABLES=glibc.malloc.*``) or preloaded
     another allocator (jemalloc, tcmalloc, mimalloc): theirs win."""
-    import ctypes
-
     env = os.environ
     if (
         any(k.startswith("MALLOC_") and k.endswith("_") for k in env)
@@ -130,18 +138,21 @@ def keep_freed_memory() -> bool:
         or any(name in env.get("LD_PRELOAD", "") for name in ("jemalloc", "tcmalloc", "mimalloc"))
     ):
         return False
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return False
-        libc = ctypes.CDLL(None)
-    except (ValueError, OSError, AttributeError):
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallopt"):
         return False
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD)
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, KEEP_MMAP_THRESHOLD)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, KEEP_TRIM_THRESHOLD)
     )
+
+
+def release_freed_memory() -> None:
+    """Hand the free memory of the heap back to the OS (glibc's ``malloc_trim(0)``): at the end of a
+    run, so that a process that goes on (a notebook, a script that trains twice) does not keep what
+    ``keep_freed_memory`` held for the next step. Nothing without glibc."""
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def build_accelerator(run: RunConfig):

@@ -227,6 +227,7 @@ def run_offline(
 
     logger.close()
     save_final(accelerator, run.output_dir, saved, tokenizer)
+    engines.release_freed_memory()
     return {
         "final_metrics": metrics,
         "eval_metrics": eval_metrics,

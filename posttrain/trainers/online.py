@@ -188,6 +188,7 @@ class OnlineTrainer:
             self.end_step(step + 1, metrics, rollout, scores, timer.read(time.perf_counter() - t0), callbacks)
         self.logger.close()
         save_final(acc, cfg.run.output_dir, self.models_to_save(), self.tokenizer)
+        engines.release_freed_memory()
         return {
             "final_metrics": metrics,
             "steps": self.total_steps,
