@@ -210,6 +210,7 @@ def test_reward_model_learns_pairs(tiny_dir, tmp_path):
     assert first["loss"] == pytest.approx(math.log(2), abs=0.05)  # an untrained head scores both alike
     for key in ("accuracy", "margin", "score_mean", "score_std"):
         assert key in first
+    _assert_phases_add_up(read_metrics(config.run.output_dir), ["train"])
 
 
 def _ranking_agreement(model_dir, tokenizer, rows):
@@ -299,6 +300,35 @@ def test_dpo_starts_at_log2_and_learns(tiny_dir, tmp_path):
     assert result["eval_metrics"]["eval/rewards/accuracy"] > 0.5
     for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "rewards/margin"):
         assert key in records[0]
+    _assert_phases_add_up(records, ["reference", "train"])
+    assert "time/eval" in records[-1]  # the final evaluation, after the step
+
+
+def _assert_phases_add_up(records, phases):
+    """Issue 13: every trainer logs time/<phase> and time/other, adding up to time/step."""
+    for r in records:
+        assert {k for k in r if k.startswith("time/")} - {"time/eval"} == {f"time/{p}" for p in phases} | {
+            "time/other",
+            "time/step",
+        }, r
+        assert all(r[f"time/{p}"] > 0 for p in phases) and r["time/other"] >= 0, r
+        assert abs(sum(r[f"time/{p}"] for p in phases) + r["time/other"] - r["time/step"]) < 1e-9
+
+
+def test_phase_timer_counts_a_nested_phase_once(monkeypatch):
+    """DPO's reference forward runs inside the training phase: its seconds count for it alone."""
+    from posttrain.trainers import loop
+
+    clock = iter([0.0, 1.0, 3.0, 7.0, 8.0, 20.0])
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
+    timer = loop.PhaseTimer()
+    with timer("train"):  # enters at 0
+        with timer("reference"):  # 1 → 3
+            pass
+        with timer("reference"):  # 7 → 8
+            pass
+    # leaves at 20
+    assert timer.read(25.0) == {"time/train": 1 + 4 + 12, "time/reference": 2 + 1, "time/other": 5, "time/step": 25}
 
 
 @pytest.mark.parametrize("loss", [[], ["loss_type=ipo", "ipo_logps=mean"]])
@@ -307,6 +337,7 @@ def test_dpo_precomputed_reference_matches_frozen_copy(tiny_dir, tmp_path, loss)
     pre = _dpo_config(tiny_dir, tmp_path, "pre", "reference=precompute", "run.max_steps=3", *loss)
     train_dpo(copy)
     train_dpo(pre)
+    _assert_phases_add_up(read_metrics(pre.run.output_dir), ["train"])  # no reference forward in the steps
     a, b = _weights(copy.run.output_dir), _weights(pre.run.output_dir)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)

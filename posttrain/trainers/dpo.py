@@ -41,7 +41,7 @@ from posttrain.trainers.config import (
     validate_sections,
 )
 from posttrain.trainers.inputs import check_inputs
-from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
+from posttrain.trainers.loop import PhaseTimer, Trainable, build_accelerator, run_offline, split_train_eval
 from posttrain.trainers.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
 
 REFERENCE_MODES = ("auto", "copy", "adapter", "precompute")
@@ -137,6 +137,7 @@ class DPOTask:
         self.reference, self.pad_id, self.config = reference, pad_id, config
         self.average = config.ipo_logps == "mean"
         self.shared = shared or SharedPrefix(enabled=False)
+        self.timer = PhaseTimer()  # the loop's, once training starts: the reference forward is time/reference
 
     def sequences(self, pairs: list[PreferenceExample]) -> SequenceBatch | SharedPrefixBatch:
         """B packed rows (prompt, chosen, rejected) when ``shared_prefix`` says so, else 2B padded rows."""
@@ -160,7 +161,7 @@ class DPOTask:
         return rows if isinstance(batch.sequences, SharedPrefixBatch) else rows // 2
 
     def reference_logps(self, sequences: SequenceBatch | SharedPrefixBatch) -> torch.Tensor:
-        with self.reference.model_for_forward() as ref_model:
+        with self.timer("reference"), self.reference.model_for_forward() as ref_model:
             return completion_logps(ref_model, sequences, self.average)
 
     def loss(self, model, batch: DPOBatch):

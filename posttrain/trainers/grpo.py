@@ -51,11 +51,10 @@ from posttrain.trainers.config import (
     validate_sections,
     with_presets,
 )
-from posttrain.trainers.loop import NonFiniteGuard, build_optimizer, global_sum
+from posttrain.trainers.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
 from posttrain.trainers.online import (
     OnlineTrainer,
     Optimized,
-    PhaseTimer,
     StatsAccumulator,
     advantage_metrics,
     first_minibatch_metrics,

@@ -16,11 +16,13 @@ reads exactly the batches an uninterrupted one would (docs/pitfalls.md #13).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +62,45 @@ class Task(Protocol):
         through the wrapper, or data-parallel gradients are never synchronised."""
 
     def finalize(self, sums: dict[str, float], count: int) -> dict[str, float]:
-        """Metrics of a step or an evaluation from the summed values."""
+        """Metrics of a step or an evaluation from the summed values.
+
+        A task with a ``timer`` attribute gets the loop's ``PhaseTimer`` there and times its own
+        phases inside ``loss`` (DPO: ``reference``); the loop times ``train`` around them."""
+
+
+class PhaseTimer:
+    """Wall time per phase of a step (generate, old_logprobs, reference, reward, values, train), summed
+    until read. Phases nest: an inner phase's time counts for it alone (DPO's reference forward inside
+    the training phase), so the phases and ``time/other`` add up to the step."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._open: list[list] = []  # [phase, when it last resumed] of the phases entered, innermost last
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        now = time.perf_counter()
+        if self._open:  # the enclosing phase pauses
+            outer = self._open[-1]
+            self.seconds[outer[0]] += now - outer[1]
+        self._open.append([phase, now])
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            inner = self._open.pop()
+            self.seconds[inner[0]] += end - inner[1]
+            if self._open:
+                self._open[-1][1] = end
+
+    def read(self, step_seconds: float) -> dict[str, float]:
+        """time/<phase> of the phases that ran, time/other = the rest of the step (advantages, metrics,
+        host transfers), and time/step: the parts add up to the step."""
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        out["time/other"] = step_seconds - sum(self.seconds.values())
+        out["time/step"] = step_seconds
+        self.seconds.clear()
+        return out
 
 
 @dataclass
@@ -187,6 +227,9 @@ def run_offline(
     guard = NonFiniteGuard(accelerator, run, model=next(iter(trainable.saved)))
     metrics: dict[str, float] = {}
     eval_metrics: dict[str, float] = {}
+    timer = PhaseTimer()
+    if hasattr(task, "timer"):
+        task.timer = timer
     model.train()
     for step in range(0 if state is None else state["step"], total_steps):
         t0 = time.perf_counter()
@@ -194,11 +237,12 @@ def run_offline(
         batches = [
             task.collate([train_examples[i] for i in indices[j : j + micro]]) for j in range(0, per_process, micro)
         ]
-        totals, step_loss = accumulate_gradients(accelerator, task, model, batches)
-        lr = scheduler.get_last_lr()[0]  # the rate this update uses (after the step it is the next one's)
-        grad_norm = optimizer_step(
-            accelerator, model, optimizer, scheduler, config.optim.max_grad_norm, guard, step + 1, step_loss
-        )
+        with timer("train"):  # forward, backward, clipping, the optimizer (a task's own phases apart)
+            totals, step_loss = accumulate_gradients(accelerator, task, model, batches)
+            lr = scheduler.get_last_lr()[0]  # the rate this update uses (after the step it is the next one's)
+            grad_norm = optimizer_step(
+                accelerator, model, optimizer, scheduler, config.optim.max_grad_norm, guard, step + 1, step_loss
+            )
         done, seconds = step + 1, time.perf_counter() - t0
         metrics = {
             **task.finalize(*totals),
@@ -206,15 +250,18 @@ def run_offline(
             "grad_norm": grad_norm,
             "tokens_per_s": totals[0]["tokens"] / seconds,
             "samples_per_s": run.batch_size / seconds,
-            "time/step": seconds,
+            **timer.read(seconds),
             "epoch": done / schedule.steps_per_epoch,
             "train/nonfinite_skips": guard.skips,
         }
         record = dict(metrics)
         evaluated = bool(eval_examples) and (done == total_steps or bool(run.eval_every) and done % run.eval_every == 0)
         if evaluated:  # into the step's record, the last step's too: one record per step
+            t_eval = time.perf_counter()
             eval_metrics = evaluate_offline(accelerator, task, model, eval_examples, micro)
+            timer.seconds.clear()  # the task's phases inside the evaluation belong to time/eval
             record.update(eval_metrics)
+            record["time/eval"] = time.perf_counter() - t_eval  # after the step: not part of time/step
         if done % run.log_every == 0 or done == total_steps or evaluated:
             logger.log(done, record, bar_keys)
         logger.advance()

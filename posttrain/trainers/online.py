@@ -45,6 +45,7 @@ from posttrain.trainers.checkpoint import save_checkpoint
 from posttrain.trainers.inputs import check_batch_split, check_inputs
 from posttrain.trainers.loop import (
     NonFiniteGuard,
+    PhaseTimer,
     backward_share,
     build_accelerator,
     checkpoint_due,
@@ -351,31 +352,6 @@ class PromptSampler:
         indices = self.take(k * accelerator.num_processes)
         mine = indices[accelerator.process_index * k : (accelerator.process_index + 1) * k]
         return [prompts[i] for i in mine]
-
-
-class PhaseTimer:
-    """Wall time per phase of a step (generate, old_logprobs, reference, reward, values, train), summed
-    until read."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - start
-
-    def read(self, step_seconds: float) -> dict[str, float]:
-        """time/<phase> of the phases that ran, time/other = the rest of the step (advantages, metrics,
-        host transfers), and time/step: the parts add up to the step."""
-        out = {f"time/{k}": v for k, v in self.seconds.items()}
-        out["time/other"] = step_seconds - sum(self.seconds.values())
-        out["time/step"] = step_seconds
-        self.seconds.clear()
-        return out
 
 
 def sample(engine: RolloutEngine, policy, prompts: list[PromptExample], params: SamplingParams, n: int):

@@ -54,10 +54,9 @@ from posttrain.trainers.config import (
     validate_sections,
 )
 from posttrain.trainers.critic import PPOBatch, build_critic
-from posttrain.trainers.loop import global_sum
+from posttrain.trainers.loop import PhaseTimer, global_sum
 from posttrain.trainers.online import (
     OnlineTrainer,
-    PhaseTimer,
     StatsAccumulator,
     advantage_metrics,
     first_minibatch_metrics,
