@@ -48,7 +48,9 @@ from posttrain.trainers.metrics import MetricsLogger, read_metrics
 
 
 class Task(Protocol):
-    """What a trainer plugs into the loop."""
+    """What a trainer plugs into the loop. A task with a ``timer`` attribute gets the loop's
+    ``PhaseTimer`` there and times its own phases inside ``loss`` (DPO: ``reference``); the loop times
+    ``train`` around them."""
 
     def collate(self, examples: list) -> Any: ...
 
@@ -62,10 +64,7 @@ class Task(Protocol):
         through the wrapper, or data-parallel gradients are never synchronised."""
 
     def finalize(self, sums: dict[str, float], count: int) -> dict[str, float]:
-        """Metrics of a step or an evaluation from the summed values.
-
-        A task with a ``timer`` attribute gets the loop's ``PhaseTimer`` there and times its own
-        phases inside ``loss`` (DPO: ``reference``); the loop times ``train`` around them."""
+        """Metrics of a step or an evaluation from the summed values."""
 
 
 class PhaseTimer:
