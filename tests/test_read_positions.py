@@ -29,29 +29,16 @@ from posttrain.models.positions import can_read_positions, positions_per_row, re
 PAD = 0
 
 
-def _qwen3(vocab: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _gqa_model(name: str, vocab: int = 100):
+    """A small grouped-query Qwen3 (per-head q/k norms) or Mistral (sliding window off), built from a seed."""
+    import transformers
 
-    torch.manual_seed(5)
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        attention_dropout=0.0,
-    )
-    return Qwen3ForCausalLM(config).eval()
-
-
-def _mistral(vocab: int):
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(6)
-    config = MistralConfig(
+    config_class, model_class, seed, extra = {
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", 5, {"head_dim": 16}),
+        "mistral": ("MistralConfig", "MistralForCausalLM", 6, {"sliding_window": None}),
+    }[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=96,
@@ -59,17 +46,15 @@ def _mistral(vocab: int):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        sliding_window=None,
         attention_dropout=0.0,
+        **extra,
     )
-    return MistralForCausalLM(config).eval()
+    return getattr(transformers, model_class)(config).eval()
 
 
 def _model(tiny_dir, name: str, attn: str = "sdpa"):
-    if name == "qwen3":
-        return _qwen3(100)
-    if name == "mistral":
-        return _mistral(100)
+    if name in ("qwen3", "mistral"):
+        return _gqa_model(name)
     return load_causal_lm(ModelConfig(path=str(tiny_dir / name), device="cpu", attn_implementation=attn))
 
 
