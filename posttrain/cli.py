@@ -185,9 +185,11 @@ def _run_reward_model_eval(parser, args) -> int:
     except (ValueError, FileNotFoundError, DataError, NoUsableRows) as err:
         parser.exit(2, f"posttrain eval: error: {err}\n")
     print(format_table(metrics))
-    note = "accuracy: the share of ordered pairs the model scores in order"
+    note = "accuracy: the share of ordered pairs the model scores in order (a tie counts as wrong, as in training)"
     if any(k.startswith("eval/accuracy_better_") for k in metrics):
         note += "; accuracy_better_longer / _shorter: the same over the pairs whose better response is longer / shorter"
+    else:
+        note += "; no length bias to measure: the responses of every ranking are equally long"
     print(f"({note})")
     print(json.dumps(metrics, indent=2))
     return 0
@@ -198,15 +200,25 @@ def _run_eval(parser, args) -> int:
     from posttrain.models import is_reward_checkpoint
     from posttrain.monitor.evaluate import EvalRunConfig, evaluate_checkpoint, format_table
     from posttrain.trainers.config import load_config
-    from posttrain.trainers.inputs import check_inputs
+    from posttrain.trainers.inputs import check_inputs, check_model_path
 
     if is_reward_checkpoint(args.model):
         return _run_reward_model_eval(parser, args)
     try:
+        check_model_path("--model", args.model)  # before the rewards: a wrong path is the first thing to say
+        for path in args.reward_model:  # scored through a reward function's kwargs, which check_inputs does not read
+            check_model_path("--reward-model", path)
         config = load_config(EvalRunConfig, args.config, _eval_overrides(args))
         check_inputs(config)  # the trainers' checks: paths, reward functions, length limits
     except (ValueError, FileNotFoundError) as err:
-        parser.exit(2, f"posttrain eval: error: {err}\n")
+        hint = ""
+        if str(err).startswith("rewards:"):
+            hint = (
+                f"; {args.model} is a policy, whose completions need them (a reward model, a "
+                "*ForSequenceClassification with one label or a LoRA adapter `posttrain rm` wrote, is evaluated on "
+                "pairs instead)"
+            )
+        parser.exit(2, f"posttrain eval: error: {err}{hint}\n")
     try:
         metrics = evaluate_checkpoint(config)
     except (DataError, NoUsableRows) as err:  # bad data (a column a reward function needs): one line

@@ -63,6 +63,7 @@ def _by_hand(model_dir, config) -> tuple[dict, list[list[float]]]:
         "eval/rows_read": len(ROWS),
         "eval/rows_truncated": 0,
         "eval/rows_dropped": 0,
+        "eval/pairs_tied": sum(d == 0 for d in diffs),
         "eval/length_corr": statistics.correlation(flat, [float(x) for n in lengths for x in n]),
     }
     for kind, correct in by_length.items():
@@ -161,3 +162,52 @@ def test_only_a_one_label_classifier_or_a_seq_cls_adapter_is_a_reward_checkpoint
     (adapter / "adapter_config.json").write_text("{not json")
     assert not is_reward_checkpoint(str(adapter))
     assert not is_reward_checkpoint("nobody-has/this-model-in-the-cache")  # local cache only: no network
+
+
+def test_the_centering_term_ties_and_the_training_runs_settings(tiny_dir, tmp_path, rankings):
+    """New-user trial (fifth session): the trainer's held-out loss holds the centering term, which the
+    eval could not take; a half-precision model ties close scores, and a tie counts as wrong without a
+    word; a run trained with margin=0.5 gave another loss than the eval's default, unexplained."""
+    data = DataConfig(path=str(rankings), chat_template="never")
+    reward = ModelConfig(path=str(tiny_dir / "reward"))
+    plain = rm.evaluate(rm.RMEvalConfig(model=reward, data=data))
+    centered = rm.evaluate(rm.RMEvalConfig(model=reward, data=data, center_coef=0.5))
+    expected, scores = _by_hand(tiny_dir / "reward", rm.RMEvalConfig(model=reward, data=data))
+    per_ranking = [
+        statistics.fmean((s[i] + s[j]) ** 2 for i in range(len(s)) for j in range(i + 1, len(s))) for s in scores
+    ]
+    assert centered["eval/loss"] == pytest.approx(plain["eval/loss"] + 0.5 * statistics.fmean(per_ranking), abs=1e-5)
+    # a zero score head: every pair tied, none in order
+    flat = load_reward_model(reward)
+    torch.nn.init.zeros_(flat.score.weight)
+    flat.save_pretrained(tmp_path / "flat")
+    load_tokenizer(str(tiny_dir / "reward")).save_pretrained(tmp_path / "flat")
+    tied = rm.evaluate(rm.RMEvalConfig(model=ModelConfig(path=str(tmp_path / "flat")), data=data))
+    assert tied["eval/pairs_tied"] == tied["eval/pairs"] == 11 and tied["eval/accuracy"] == 0.0
+    # a model in RUN/final/reward: the run's settings that differ are named
+    trained = rm.RMConfig(model=ModelConfig(path=str(tiny_dir / "policy")), data=data, margin=0.5)
+    trained.run.output_dir, trained.run.max_steps, trained.run.batch_size = str(tmp_path / "run"), 1, 2
+    trained.run.progress, trained.run.report_to = False, ["jsonl"]
+    rm.train(trained)
+    lines = []
+    rm.evaluate(
+        rm.RMEvalConfig(model=ModelConfig(path=str(tmp_path / "run" / "final" / "reward")), data=data), lines.append
+    )
+    assert any("used margin=0.5 (here 0.0)" in line for line in lines), lines
+    lines.clear()
+    final = ModelConfig(path=str(tmp_path / "run" / "final" / "reward"))
+    rm.evaluate(rm.RMEvalConfig(model=final, data=data, margin=0.5), lines.append)
+    assert not any("used" in line for line in lines), lines
+
+
+def test_posttrain_eval_names_a_wrong_path_first(tiny_dir, tmp_path, rankings):
+    """New-user trial (fifth session): a mistyped --model said "at least one reward function is needed",
+    and a missing --reward-model ended in three tracebacks."""
+    base = [sys.executable, "-m", "posttrain.cli", "eval", "--data", str(rankings)]
+    for extra, message in (
+        (["--model", str(tmp_path / "nope")], "--model: no model folder at"),
+        (["--model", str(tiny_dir / "policy"), "--reward-model", str(tmp_path / "gone")], "--reward-model: no model"),
+        (["--model", str(tiny_dir / "policy")], "is a policy, whose completions need them"),
+    ):
+        done = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr

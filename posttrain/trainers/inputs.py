@@ -46,7 +46,7 @@ def check_inputs(config) -> None:
         check_report_to(run)
     check_reward_functions(config)
     for name, path, kind, revision in _model_paths(config):
-        _check_model_path(name, path, kind, revision)
+        check_model_path(name, path, kind, revision)
     _check_data_path("data.path", config.data.path)
     evaluation = vars(config).get("eval")
     if evaluation is not None and evaluation.path:
@@ -180,7 +180,9 @@ def _local_first_part(path: str) -> str | None:
     return first if "/" in path and Path(first).expanduser().is_dir() else None
 
 
-def _check_model_path(name: str, path: str, kind: str, revision: str | None = None) -> None:
+def check_model_path(name: str, path: str, kind: str = "model", revision: str | None = None) -> None:
+    """Raise FileNotFoundError naming ``name`` when ``path`` is neither a model folder here nor a Hub model
+    (in the local cache when offline), with a hint at what writes it or what the nearest folder holds."""
     local = Path(path).expanduser()
     if local.is_dir():
         if kind == "model" and not any((local / f).is_file() for f in ("config.json", "adapter_config.json")):

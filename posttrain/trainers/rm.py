@@ -289,6 +289,8 @@ class RMEvalConfig:
     """pairs, rankings, or auto (pairs when the first row has 'chosen')."""
     margin: float = 0.0
     """The margin of the loss reported (as in training); 0 = plain Bradley–Terry."""
+    center_coef: float = 0.0
+    """The centering term of the loss reported (as in training); 0 = none."""
     batch_size: int = 16
     """Rankings scored per forward."""
     output_dir: str | None = None
@@ -300,14 +302,18 @@ class RMEvalConfig:
         check_choice("data_format", self.data_format, DATA_FORMATS)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.center_coef < 0:
+            raise ValueError(f"center_coef must be >= 0, got {self.center_coef}")
 
 
 def evaluate(config: RMEvalConfig, log=print) -> dict:
     """Score every response of ``config.data`` with the reward model; the ``eval/`` metrics.
 
     As the trainer's held-out metrics, on the raw scores (before a ``reward_normalization`` the
-    checkpoint holds, which the trainer's metrics precede too): ``loss`` (the ranking loss, mean over
-    rankings, without the centering term), ``accuracy`` (the share of ordered pairs scored in order),
+    checkpoint holds, which the trainer's metrics precede too): ``loss`` (the ranking loss with
+    ``margin`` and ``center_coef``, mean over rankings), ``accuracy`` (the share of ordered pairs scored
+    in order; a tie counts as wrong, and ``pairs_tied`` says how many there were: half precision ties
+    close scores),
     ``margin`` (mean r_better − r_worse), ``score_mean``, ``score_std``; with a normalisation also
     ``normalized_score_mean`` / ``_std``, the scores PPO reads. And the length bias a reward model learns
     from human labels (longer answers tend to be preferred): ``length_corr``, Pearson's r between a
@@ -316,8 +322,11 @@ def evaluate(config: RMEvalConfig, log=print) -> dict:
     shorter one (each left out when no pair is of that kind). A model that ranks by length scores well
     only on the first. ``rows_read`` / ``rows_truncated`` / ``rows_dropped``: what the data limits did
     (the report is also ``log``ged). One process (``loop.evaluate_offline`` is the trainer's sharded one).
+    A model in ``RUN/final/reward`` has its training run's config.yaml two folders up: the settings of
+    it that change these numbers and differ here are ``log``ged, to pass for a like-for-like comparison.
     """
     config.validate()
+    _compare_with_training_run(config, log)
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
     examples, report = load_ranking_data(config, tokenizer)
     log(f"[eval] data: {report.summary()}")
@@ -326,7 +335,7 @@ def evaluate(config: RMEvalConfig, log=print) -> dict:
     model.config.reward_normalization = None  # raw scores, as the trainer measured them
     scorer = RewardScorer(model)
     device = next(scorer.parameters()).device
-    task = RMTask(tokenizer.pad_token_id, config.margin, 0.0)
+    task = RMTask(tokenizer.pad_token_id, config.margin, config.center_coef)
     sums: dict[str, float] = {}
     scores: list[float] = []
     with torch.inference_mode():
@@ -352,13 +361,16 @@ def evaluate(config: RMEvalConfig, log=print) -> dict:
     for example in examples:
         starts.append(starts[-1] + len(example.response_ids))
     by_length = {"longer": [0, 0], "shorter": [0, 0]}  # [pairs in order, pairs]
+    tied = 0
     for example, first in zip(examples, starts, strict=False):
         for i, j in torch.stack(ranking_pairs(len(example.response_ids))).T.tolist():
             better, worse = first + i, first + j
+            tied += scores[better] == scores[worse]
             if lengths[better] != lengths[worse]:
                 kind = by_length["longer" if lengths[better] > lengths[worse] else "shorter"]
                 kind[0] += scores[better] > scores[worse]
                 kind[1] += 1
+    metrics["eval/pairs_tied"] = tied
     for kind, (correct, pairs) in by_length.items():
         if pairs:
             metrics[f"eval/accuracy_better_{kind}"] = correct / pairs
@@ -377,3 +389,35 @@ def evaluate(config: RMEvalConfig, log=print) -> dict:
                 }
                 f.write(json.dumps(row) + "\n")
     return metrics
+
+
+# the training run's settings that change what ``evaluate`` reports: (its config.yaml key, this config's value)
+_LIKE_FOR_LIKE = {
+    "margin": lambda c: c.margin,
+    "center_coef": lambda c: c.center_coef,
+    "data.chat_template": lambda c: c.data.chat_template,
+}
+
+
+def _compare_with_training_run(config: RMEvalConfig, log) -> None:
+    """Log the settings of the run that wrote ``RUN/final/reward`` (its ``RUN/config.yaml``) that differ
+    from ``config``'s: its held-out ``eval/*`` used them."""
+    import yaml
+
+    from posttrain.trainers.checkpoint import flat_config
+
+    model = Path(config.model.path)
+    written = model.parent.parent / "config.yaml"
+    if model.parent.name != "final" or not written.is_file():
+        return
+    trained = flat_config(yaml.safe_load(written.read_text()) or {})
+    differing = [
+        f"{key}={trained[key]!r} (here {value(config)!r})"
+        for key, value in _LIKE_FOR_LIKE.items()
+        if key in trained and trained[key] != value(config)
+    ]
+    if differing:
+        log(
+            f"[eval] the run that trained {model} used {', '.join(differing)} ({written}); pass them as key=value "
+            "to compare with its eval/* metrics"
+        )
