@@ -4,6 +4,7 @@
 import itertools
 import json
 import math
+from collections import deque
 from dataclasses import replace
 
 import pytest
@@ -548,3 +549,31 @@ def test_reward_hacking_raises_rise_then_collapse_alert(noisy_sft, tmp_path):
     rewards = [r["reward/mean"] for r in records]
     assert accuracy[-1] < max(accuracy) - 0.1 and rewards[-1] > rewards[0]  # the run did what the alert says
     assert 7 in [a["id"] for a in alerts], (accuracy, rewards)
+
+
+def test_a_long_run_keeps_the_monitor_bounded_and_its_long_memory():
+    """The monitor held every record and each rule rescanned them at every step: a check cost 13 ms
+    after 10,000 steps and a resume's replay was quadratic. What it keeps is now bounded by the window,
+    and what the rules need from long ago survives: the first window's entropy (rule 8) and the best
+    held-out score with the training reward then (rule 7)."""
+    monitor, _ = _monitor()
+    steps, raised = 3000, {}
+    for step in range(1, steps + 1):
+        record = {**BASE, "reward/mean": 0.5 + step / steps}  # the training reward keeps rising
+        if step == 3:
+            record["eval/greedy/score"] = 0.80  # the best held-out score, long ago
+        elif step % 1000 == 0:
+            record["eval/greedy/score"] = 0.70
+        record["entropy"] = 1.0 if step <= steps - 10 else 0.05  # collapses at the end
+        raised |= {a["id"]: (step, a["seen"]) for a in monitor.check(step, record)}
+
+    assert raised.keys() == {7, 8}
+    assert raised[7][0] == 1000 and "fell from 0.8 (step 3) to 0.7 " in raised[7][1]
+    assert raised[8][0] == steps - 10 + 4 and "fell from 1 to 0.05 nats" in raised[8][1]
+    window, state = monitor.config.window, vars(monitor.history)
+    kept = [v for v in state.values() if isinstance(v, list | deque)]
+    kept += [v for d in state.values() if isinstance(d, dict) for v in d.values() if isinstance(v, list | deque)]
+    kept += [t.then for t in monitor.history.evals.values()] + [t.recent for t in monitor.history.evals.values()]
+    assert kept and max(len(v) for v in kept) <= window
+    # one entry per watched metric; the latest record itself for the level rules
+    assert all(len(d) <= 12 for k, d in state.items() if isinstance(d, dict) and k != "last")

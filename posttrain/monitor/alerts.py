@@ -1,6 +1,7 @@
 """Health alerts: rules over the metrics a PPO/GRPO run logs, evaluated after every step.
 
-Each rule reads the history of logged records (one dict per step) and returns what it saw, or None.
+Each rule reads the history of logged records (``History``: what the rules need of them, in memory
+bounded by the window) and returns what it saw, or None.
 An alert is raised when its rule starts to hold (again after it stopped holding), printed to the
 console and written to ``alerts.jsonl`` with the likely causes and what to try. Those two sentences
 are the troubleshooting answers of the RLHF notes this project follows (KL too large or too small,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,19 +75,32 @@ class AlertConfig:
 class Rule:
     id: int
     name: str
-    check: Callable[[list[dict], AlertConfig, dict], str | None]
+    check: Callable[[History, AlertConfig, dict], str | None]
     causes: str
     remedy: str
 
 
 # --------------------------------------------------------------------------------------------------
-# helpers over the history of records
+# what the rules read of the history, in memory bounded by the window
 # --------------------------------------------------------------------------------------------------
 
+EVAL_KEYS = ("eval/greedy/score", "eval/sampled/score")
+"""Held-out scores rule 7 compares, the first one a run logs preferred."""
 
-def _series(history: list[dict], key: str) -> list[float]:
-    """Finite values of ``key`` in order (steps that did not log it are skipped)."""
-    return [float(r[key]) for r in history if r.get(key) is not None and math.isfinite(float(r[key]))]
+WATCHED = (
+    "kl/per_token",
+    "policy/clipfrac",
+    "policy/ratio_mean",
+    "values/explained_variance",
+    "value_loss",
+    "entropy",
+    "groups/zero_variance_share",
+    "truncated_share",
+)
+
+
+def _finite(value) -> float | None:
+    return None if value is None or not math.isfinite(float(value)) else float(value)
 
 
 def _mean(values: list[float]) -> float:
@@ -105,9 +120,75 @@ def pearson(x: list[float], y: list[float]) -> float:
     return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else 0.0
 
 
-def _last(history: list[dict], key: str, n: int) -> list[float]:
-    values = _series(history, key)
-    return values[-n:] if len(values) >= n else []
+@dataclass
+class _EvalTrack:
+    """One held-out score over the run: its best (the first of equal bests) and its latest value, each
+    with the finite training rewards of the records from window/2 before it up to it."""
+
+    best: float
+    best_step: int
+    best_index: int
+    then: list[float]
+    now: float
+    now_index: int
+    recent: list[float]
+
+
+class History:
+    """What the rules read of the logged records (one dict per step), updated once per record.
+
+    A rule needs the last ``window`` finite values of a metric, how many there were, the first window
+    of them (entropy), the latest record, and for rule 7 the best and the latest held-out score with the
+    training reward around each. Keeping exactly that, a step's check costs the same at step 10 and at
+    step 100,000 (a list of every record, rescanned by every rule, cost 13 ms a step after 10,000 steps
+    and made a resume's replay of its records quadratic).
+    """
+
+    def __init__(self, window: int, reward: str, reward_std: str):
+        self.window, self.reward = window, reward
+        self.keys = tuple(dict.fromkeys((*WATCHED, reward, reward_std)))
+        self.tails: dict[str, deque[float]] = {k: deque(maxlen=window) for k in self.keys}
+        self.heads: dict[str, list[float]] = {k: [] for k in self.keys}
+        self.counts: dict[str, int] = dict.fromkeys(self.keys, 0)
+        self.length_reward: deque[tuple[float, float]] = deque(maxlen=window)
+        self.rewards_near: deque[float | None] = deque(maxlen=window // 2 + 1)  # records, not finite values
+        self.evals: dict[str, _EvalTrack] = {}
+        self.last: dict = {}
+        self.index = -1
+
+    def add(self, record: dict) -> None:
+        self.last, self.index = record, self.index + 1
+        for key in self.keys:
+            value = _finite(record.get(key))
+            if value is None:
+                continue
+            self.tails[key].append(value)
+            self.counts[key] += 1
+            if len(self.heads[key]) < self.window:
+                self.heads[key].append(value)
+        reward = _finite(record.get(self.reward))
+        if record.get("response_length/mean") is not None and reward is not None:
+            self.length_reward.append((record["response_length/mean"], reward))
+        self.rewards_near.append(reward)
+        for key in EVAL_KEYS:
+            score = _finite(record.get(key))
+            if score is None:
+                continue
+            near = [r for r in self.rewards_near if r is not None]
+            track = self.evals.get(key)
+            if track is None or score > track.best:
+                track = self.evals[key] = _EvalTrack(
+                    score, record.get("step"), self.index, near, score, self.index, near
+                )
+            track.now, track.now_index, track.recent = score, self.index, near
+
+    def full(self, key: str) -> list[float]:
+        """The last ``window`` finite values of ``key``; [] until there are that many."""
+        return list(self.tails[key]) if len(self.tails[key]) == self.window else []
+
+    def tail(self, key: str) -> list[float]:
+        """The last finite values of ``key``, at most ``window`` of them."""
+        return list(self.tails[key])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,22 +196,21 @@ def _last(history: list[dict], key: str, n: int) -> list[float]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _kl_large(history, cfg, ctx):
-    kl = _series(history, "kl/per_token")
+def _kl_large(h: History, cfg, ctx):
+    kl = h.tail("kl/per_token")
     if not kl:
         return None
     if kl[-1] > cfg.kl_max:
         return f"KL to the reference is {kl[-1]:.3g} nats/token (> {cfg.kl_max})"
-    window = kl[-cfg.window :]
-    if len(window) == cfg.window and window[-1] - min(window) > cfg.kl_rise:
-        return f"KL per token rose from {min(window):.3g} to {window[-1]:.3g} within {cfg.window} steps"
+    if len(kl) == cfg.window and kl[-1] - min(kl) > cfg.kl_rise:
+        return f"KL per token rose from {min(kl):.3g} to {kl[-1]:.3g} within {cfg.window} steps"
     return None
 
 
-def _kl_tiny_reward_flat(history, cfg, ctx):
-    kl = _last(history, "kl/per_token", cfg.window)
-    reward = _last(history, ctx["reward"], cfg.window)
-    std = _last(history, ctx["reward_std"], cfg.window)
+def _kl_tiny_reward_flat(h: History, cfg, ctx):
+    kl = h.full("kl/per_token")
+    reward = h.full(ctx["reward"])
+    std = h.full(ctx["reward_std"])
     if not kl or not reward or not std or max(abs(v) for v in kl) >= cfg.kl_tiny:
         return None
     first, second = _halves(reward)
@@ -143,9 +223,9 @@ def _kl_tiny_reward_flat(history, cfg, ctx):
     return None
 
 
-def _clipping(history, cfg, ctx):
-    clipfrac = _last(history, "policy/clipfrac", cfg.window)
-    ratio = _last(history, "policy/ratio_mean", cfg.window)
+def _clipping(h: History, cfg, ctx):
+    clipfrac = h.full("policy/clipfrac")
+    ratio = h.full("policy/ratio_mean")
     if clipfrac and _mean(clipfrac) > cfg.clipfrac_max:
         return f"clip fraction {_mean(clipfrac):.2f} on average over {cfg.window} steps (> {cfg.clipfrac_max})"
     if ratio and _mean([abs(r - 1) for r in ratio]) > cfg.ratio_mean_tol:
@@ -153,8 +233,8 @@ def _clipping(history, cfg, ctx):
     return None
 
 
-def _first_ratio(history, cfg, ctx):
-    record = history[-1]
+def _first_ratio(h: History, cfg, ctx):
+    record = h.last
     high, low = record.get("policy/first_minibatch_ratio_max"), record.get("policy/first_minibatch_ratio_min")
     if high is None or low is None:  # a step with nothing to train on (GRPO: nothing scored) logs no ratio
         return None
@@ -164,11 +244,11 @@ def _first_ratio(history, cfg, ctx):
     return None
 
 
-def _critic(history, cfg, ctx):
-    explained = _series(history, "values/explained_variance")
-    loss = _last(history, "value_loss", cfg.window)
-    if len(explained) >= 2 * cfg.window and _mean(explained[-cfg.window :]) < cfg.explained_variance_min:
-        return f"explained variance of the values is {_mean(explained[-cfg.window :]):.3g} over {cfg.window} steps"
+def _critic(h: History, cfg, ctx):
+    explained = h.tail("values/explained_variance")
+    loss = h.full("value_loss")
+    if h.counts["values/explained_variance"] >= 2 * cfg.window and _mean(explained) < cfg.explained_variance_min:
+        return f"explained variance of the values is {_mean(explained):.3g} over {cfg.window} steps"
     if loss:
         first, second = _halves(loss)
         if second > cfg.value_loss_growth * first:
@@ -176,18 +256,11 @@ def _critic(history, cfg, ctx):
     return None
 
 
-def _length_bias(history, cfg, ctx):
-    rows = [
-        r
-        for r in history
-        if r.get("response_length/mean") is not None
-        and r.get(ctx["reward"]) is not None
-        and math.isfinite(r[ctx["reward"]])
-    ][-cfg.window :]
-    if len(rows) < cfg.window:
+def _length_bias(h: History, cfg, ctx):
+    if len(h.length_reward) < cfg.window:
         return None
-    length = [r["response_length/mean"] for r in rows]
-    reward = [r[ctx["reward"]] for r in rows]
+    length = [pair[0] for pair in h.length_reward]
+    reward = [pair[1] for pair in h.length_reward]
     first, second = _halves(length)
     growth = (second - first) / max(first, 1e-8)
     corr = pearson(length, reward)
@@ -199,44 +272,40 @@ def _length_bias(history, cfg, ctx):
     return None
 
 
-def _rise_then_collapse(history, cfg, ctx):
-    key = next((k for k in ("eval/greedy/score", "eval/sampled/score") if _series(history, k)), None)
+def _rise_then_collapse(h: History, cfg, ctx):
+    key = next((k for k in EVAL_KEYS if k in h.evals), None)
     if key is None:
         return None
-    evals = [(i, r[key]) for i, r in enumerate(history) if r.get(key) is not None and math.isfinite(r[key])]
-    best_index, best = max(evals, key=lambda e: e[1])
-    now_index, now = evals[-1]
-    if now_index == best_index or best - now < cfg.eval_drop:
+    track = h.evals[key]
+    if track.now_index == track.best_index or track.best - track.now < cfg.eval_drop:
         return None
-    then = _series(history[max(0, best_index - cfg.window // 2) : best_index + 1], ctx["reward"])
-    recent = _series(history[max(0, now_index - cfg.window // 2) : now_index + 1], ctx["reward"])
+    then, recent = track.then, track.recent
     if not then or not recent or _mean(recent) <= _mean(then):
         return None
     return (
-        f"held-out {key.split('/')[1]} score fell from {best:.3g} (step {history[best_index]['step']}) to {now:.3g} "
+        f"held-out {key.split('/')[1]} score fell from {track.best:.3g} (step {track.best_step}) to {track.now:.3g} "
         f"while the training reward rose from {_mean(then):.3g} to {_mean(recent):.3g}"
     )
 
 
-def _entropy_collapse(history, cfg, ctx):
-    entropy = _series(history, "entropy")
-    if len(entropy) < 2 * cfg.window:
+def _entropy_collapse(h: History, cfg, ctx):
+    if h.counts["entropy"] < 2 * cfg.window:
         return None
-    start, now = _mean(entropy[: cfg.window]), _mean(entropy[-cfg.window :])
+    start, now = _mean(h.heads["entropy"]), _mean(h.tail("entropy"))
     if now < cfg.entropy_collapse * start:
         return f"entropy per token fell from {start:.3g} to {now:.3g} nats ({now / max(start, 1e-12):.0%})"
     return None
 
 
-def _zero_variance(history, cfg, ctx):
-    share = _last(history, "groups/zero_variance_share", cfg.window)
+def _zero_variance(h: History, cfg, ctx):
+    share = h.full("groups/zero_variance_share")
     if share and _mean(share) > cfg.zero_variance_max:
         return f"{_mean(share):.0%} of the groups had all-equal rewards (zero advantage) over {cfg.window} steps"
     return None
 
 
-def _truncation(history, cfg, ctx):
-    share = _last(history, "truncated_share", cfg.window)
+def _truncation(h: History, cfg, ctx):
+    share = h.full("truncated_share")
     if ctx["forced_length"] or not share or _mean(share) <= cfg.truncation_max:
         return None
     return f"{_mean(share):.0%} of the responses hit max_new_tokens without EOS over {cfg.window} steps"
@@ -245,8 +314,8 @@ def _truncation(history, cfg, ctx):
 NON_FINITE_KEYS = ("policy/loss", "policy/pg_loss", "grad_norm", "critic_grad_norm", "value_loss")
 
 
-def _non_finite(history, cfg, ctx):
-    record = history[-1]
+def _non_finite(h: History, cfg, ctx):
+    record = h.last
     # a GRPO step no reward function scored logs reward/mean NaN by design, with reward/applicable_share 0
     # (the trainer warns and stops after max_unscored_steps): that is no non-finite reward
     nothing_scored = record.get("reward/applicable_share") == 0
@@ -380,7 +449,7 @@ class HealthMonitor:
         self.path = None if output_dir is None else Path(output_dir) / "alerts.jsonl"
         self.context = {"reward": reward, "reward_std": reward_std, "forced_length": forced_length}
         self.echo = echo
-        self.history: list[dict] = []
+        self.history = History(config.window, reward, reward_std)
         self.active: set[int] = set()
         self.raised = 0
 
@@ -388,7 +457,7 @@ class HealthMonitor:
         """Add this step's metrics to the history; return (and record) the alerts that start now."""
         if not self.config.enabled:
             return []
-        self.history.append({"step": step, **metrics})
+        self.history.add({"step": step, **metrics})
         alerts = []
         for rule in RULES:
             seen = rule.check(self.history, self.config, self.context)
