@@ -8,7 +8,7 @@ from posttrain.rollout.base import (
     left_pad,
     response_mask_from_ends,
 )
-from posttrain.rollout.engines import RolloutConfig, build_engine
+from posttrain.rollout.engines import RolloutConfig, build_engine, choose_engine
 from posttrain.rollout.hf import HFEngine, eos_token_ids, ignored_checkpoint_sampling
 from posttrain.rollout.lean import LeanEngine
 
@@ -20,6 +20,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "build_engine",
+    "choose_engine",
     "concat_rollouts",
     "eos_token_ids",
     "ignored_checkpoint_sampling",

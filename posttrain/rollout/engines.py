@@ -13,7 +13,7 @@ from torch import nn
 
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.hf import HFEngine
-from posttrain.rollout.lean import LeanEngine
+from posttrain.rollout.lean import LeanEngine, written_out_gaps
 
 MODES = ("colocate", "server")
 IMPORTANCE_SAMPLING = ("none", "token", "sequence")
@@ -23,9 +23,11 @@ IMPORTANCE_SAMPLING = ("none", "token", "sequence")
 class RolloutConfig:
     """The engine that samples the rollouts, and how its log-probs are reconciled with the trainer's."""
 
-    engine: str = "hf"
-    """hf (transformers generate on the trained module), lean (posttrain's decode loop: the same distribution
-    and log-probs, faster on CPUs and small models) or vllm (optional extra, see docs/scaling.md)."""
+    engine: str = "auto"
+    """auto (lean where its written-out decode step covers the checkpoint exactly, else hf; the choice and
+    its reason are printed at start), hf (transformers generate on the trained module), lean (posttrain's
+    decode loop: the same distribution and log-probs, faster on CPUs and small models) or vllm (optional
+    extra, see docs/scaling.md)."""
     mode: str = "colocate"
     """colocate (the engine lives in the training process) or server (a `posttrain vllm-serve` process)."""
     server_url: str = "http://127.0.0.1:8000"
@@ -103,7 +105,20 @@ def _vllm(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, 
     )
 
 
-BUILDERS: dict[str, Callable[..., RolloutEngine]] = {"hf": _hf, "lean": _lean, "vllm": _vllm}
+def choose_engine(config: RolloutConfig, policy: nn.Module) -> tuple[str, str]:
+    """(engine, why) for ``rollout.engine=auto``: lean where its written-out step covers ``policy`` (the
+    same log-probs as the training forward, 1.2-1.3x the speed of ``generate`` on CPUs), hf otherwise."""
+    gaps = written_out_gaps(policy)
+    if not gaps:
+        return "lean", f"the written-out {type(policy).__name__} decode step covers this checkpoint"
+    return "hf", "the lean engine's written-out step does not cover this checkpoint: " + "; ".join(gaps)
+
+
+def _auto(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, seed: int) -> RolloutEngine:
+    return BUILDERS[choose_engine(config, policy)[0]](config, policy, tokenizer, model_path, seed)
+
+
+BUILDERS: dict[str, Callable[..., RolloutEngine]] = {"auto": _auto, "hf": _hf, "lean": _lean, "vllm": _vllm}
 """rollout.engine → builder(config, policy, tokenizer, model_path, seed)."""
 
 

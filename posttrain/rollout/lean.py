@@ -163,22 +163,55 @@ class LeanEngine(HFEngine):
         return sequences[:, : P + steps], logprobs[:, :steps], None if stops is None else stops.positions
 
 
+_COVERED = {
+    "LlamaForCausalLM": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
+    "Qwen2ForCausalLM": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
+}
+"""The models the written-out step covers, with the module classes it reads (their subclasses may compute
+something else, so the names must match exactly)."""
+
+
+def written_out_gaps(model: nn.Module) -> list[str]:
+    """Why the hand-written Llama/Qwen2 step (``_LlamaDecoder``) would not compute the model's own forward;
+    empty when it does. It covers a plain float32 Llama or Qwen2 (not peft-wrapped) built of the stock
+    layer classes, with or without attention and MLP biases, no sliding window, no hooks anywhere on the
+    model (the step skips every module's forward), whose forward runs in its weights' dtype: not under an
+    autocast (accelerate's mixed precision wraps the forward and keeps the original as ``_original_forward``;
+    the prefill's half-precision cache then met the step's float32 queries)."""
+    name = type(model).__name__
+    if name not in _COVERED:
+        return [f"{name} is not a Llama or Qwen2 causal LM"]
+    layer_class, attention_class, mlp_class, norm_class = _COVERED[name]
+    config, gaps = model.config, []
+    if "_original_forward" in vars(model) or torch.is_autocast_enabled(model.lm_head.weight.device.type):
+        gaps.append("the forward runs under an autocast (mixed precision)")
+    if model.lm_head.weight.dtype != torch.float32:
+        gaps.append(f"the weights are {model.lm_head.weight.dtype}, not float32")
+    if getattr(config, "use_sliding_window", False) or any(
+        t != "full_attention" for t in getattr(config, "layer_types", None) or []
+    ):
+        gaps.append("some layers use sliding-window attention")
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()) or (
+        nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+    ):
+        gaps.append("forward hooks are registered on the model")
+    backbone = model.model
+    for layer in backbone.layers:
+        found = (type(layer), type(layer.self_attn), type(layer.mlp), type(layer.input_layernorm))
+        if tuple(c.__name__ for c in found) != (layer_class, attention_class, mlp_class, norm_class) or not isinstance(
+            layer.post_attention_layernorm, found[3]
+        ):
+            gaps.append(f"a layer is built of other modules ({', '.join(c.__name__ for c in found)})")
+            break
+    if type(backbone.norm).__name__ != norm_class:
+        gaps.append(f"the final norm is a {type(backbone.norm).__name__}")
+    return gaps
+
+
 def _written_out(model: nn.Module) -> bool:
-    """Decode with the hand-written Llama/Qwen2 step (``_LlamaDecoder``)? For a plain float32 Llama or
-    Qwen2 (not peft-wrapped, no sliding window, no hooks inside the backbone, which the written-out
-    step would skip) whose forward runs in its weights' dtype: not under an autocast (accelerate's
-    mixed precision wraps the forward and keeps the original as ``_original_forward``; the prefill's
-    half-precision cache then met the step's float32 queries). Any other model decodes through its own
-    forward on a DynamicCache."""
-    device = model.lm_head.weight.device.type
-    return (
-        "_original_forward" not in vars(model)
-        and not torch.is_autocast_enabled(device)
-        and type(model).__name__ in ("LlamaForCausalLM", "Qwen2ForCausalLM")
-        and not getattr(model.config, "use_sliding_window", False)
-        and model.lm_head.weight.dtype == torch.float32
-        and not any(m._forward_hooks or m._forward_pre_hooks for m in model.model.modules())
-    )
+    """Decode with the hand-written step (``_LlamaDecoder``)? Where ``written_out_gaps`` finds none; any
+    other model decodes through its own forward on a DynamicCache."""
+    return not written_out_gaps(model)
 
 
 def _mode_free(model: nn.Module) -> bool:
@@ -250,6 +283,7 @@ class _LlamaDecoder(_ModelDecoder):
                     (attn.o_proj.weight, attn.o_proj.bias),
                     (norm2.weight, norm2.variance_epsilon),
                     torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])[:, None],
                     F.silu if config.hidden_act == "silu" else mlp.act_fn,
                     (mlp.down_proj.weight, mlp.down_proj.bias),
                 )
@@ -291,7 +325,7 @@ class _LlamaDecoder(_ModelDecoder):
         allowed = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         at, gqa = self.length, kv != h
         for layer, keys, values in zip(self.layers, self.keys, self.values, strict=True):
-            norm1, w_qkv, b_qkv, scaling, o_proj, norm2, w_gate_up, act, down_proj = layer
+            norm1, w_qkv, b_qkv, scaling, o_proj, norm2, w_gate_up, b_gate_up, act, down_proj = layer
             qkv = F.linear(F.rms_norm(x, width, *norm1), w_qkv, b_qkv)
             qk = _rotate(qkv[:, : (h + kv) * d].view(b, h + kv, d), cos, sin)
             keys[:, :, at] = qk[:, h:]
@@ -307,7 +341,9 @@ class _LlamaDecoder(_ModelDecoder):
             x = _add_linear(x, out.view(b, h * d), *o_proj)
             # the MLP feature-major ([2I, b] = W·xᵀ): with b ~ 16 rows, MKL splits W's rows over its
             # threads, ~1.4-1.9x the speed of x·Wᵀ at 2 threads and level at 1 (bench/README.md)
-            gate, up = (w_gate_up @ F.rms_norm(x, width, *norm2).t()).chunk(2, 0)  # [I, b] each
+            normed = F.rms_norm(x, width, *norm2).t()
+            gate_up = w_gate_up @ normed if b_gate_up is None else torch.addmm(b_gate_up, w_gate_up, normed)
+            gate, up = gate_up.chunk(2, 0)  # [I, b] each
             x = _add_linear(x, (act(gate) * up).t(), *down_proj)
         self.length += 1
         return F.linear(F.rms_norm(x, width, *self.final_norm), *self.head).float()
