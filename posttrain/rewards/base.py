@@ -209,7 +209,29 @@ def _returned(result) -> tuple[str, object]:
     return "bad", f"a {type(result).__name__} ({repr(result)[:200]})"
 
 
-def _child(conn, fn, prompts, completions, columns) -> None:
+def _die_with_parent(parent: int) -> None:
+    """End the worker when the trainer dies, as the sandbox's programs do: on Linux the parent-death
+    signal (SIGKILL when the thread that forked it ends; that thread waits for the worker), elsewhere a
+    thread that checks every 0.2 s whether the parent changed; and at once if it already has."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    else:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.2)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="posttrain-reward-parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # the trainer died before the signal was set
+        os._exit(1)
+
+
+def _child(conn, fn, prompts, completions, columns, parent: int) -> None:
+    _die_with_parent(parent)
     os.setsid()  # a group of its own: a timeout kills the worker and everything it started
     # Torch on one thread, before any torch op. The trainer has run parallel ops, so its OpenMP runtime
     # (libgomp, not fork-safe) believes its worker threads exist; fork copies only this thread, and the
@@ -239,7 +261,7 @@ def call_with_timeout(fn, prompts, completions, columns, timeout: float, isolati
     sandbox.lease()  # before the fork: the worker's sandboxes use this process's user ids, reaped below
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
-    worker = context.Process(target=_child, args=(sender, fn, prompts, completions, columns), daemon=True)
+    worker = context.Process(target=_child, args=(sender, fn, prompts, completions, columns, os.getpid()), daemon=True)
     worker.start()
     sender.close()
     answered = False

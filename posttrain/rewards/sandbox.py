@@ -2,8 +2,10 @@
 
 Each program runs in a fresh ``python -I`` process, started in its own session, with:
 
-- a wall-clock timeout: past it the whole process group is killed (SIGKILL); the program also dies
-  with the process that started it (parent-death signal), so a killed reward worker leaves none;
+- a wall-clock timeout on the program, counted from the moment the harness is ready to run it (the
+  interpreter's start-up and the confinement have a limit of their own, ``STARTUP_TIMEOUT``): past it
+  the whole process group is killed (SIGKILL); the program also dies with the process that started it
+  (parent-death signal), so a killed reward worker leaves none;
 - ``resource`` limits: CPU seconds, address space (memory), file size, open files, no core dumps,
   and a cap on processes (a fork bomb runs out of processes, then out of time);
 - its output read as it comes, keeping only the last ``OUTPUT_KEEP`` bytes of each stream (a program
@@ -15,15 +17,28 @@ Each program runs in a fresh ``python -I`` process, started in its own session, 
   /var/tmp and /dev/shm — and an unprivileged user id of its own, so writes outside the sandbox fail
   and every process the program left behind is found and killed by that user id. User ids come from
   a block of ``UID_BLOCK`` leased per trainer process (an flock'd lease file), so two trainers or two
-  ranks on one host never share one.
+  ranks on one host never share one;
+- also as root: a root folder of its own (chroot) holding only the system's programs and libraries
+  (/usr, /bin, /sbin, /lib*), the sandbox interpreter's own folders, /etc/ld.so.cache, /dev/null,
+  zero, random and urandom, a fresh /proc and private tmpfs at /tmp and /dev/shm, all read-only but
+  the tmpfs: no host folder beyond those (not the checkout, /home, /root, /etc, /opt, /srv, /run);
+  and a PID namespace: /proc shows only the program's own processes (no host /proc/*/cmdline), a
+  process it leaves running holds the result until the deadline, and all die with the namespace.
+  Each step the kernel refuses is left out, and the result says which held (``isolated``,
+  ``read_only``, ``private_files``, ``private_pids``).
 
-Without root none of the namespace or user-id steps is possible: the process, time, memory and
-environment limits still hold, but the code can reach the network and write wherever the current
-user can. ``isolation_level()`` says which level is in force here. The harness reports results on a
-private pipe; the events must come in the harness's own order (program, then tests 0, 1, ... once
-each) or the result is marked ``tampered`` and scores 0. That catches a program that writes extra or
-repeated "passed" events; it cannot catch one that forges the exact sequence and then exits before
-the real tests run, since the program shares the harness's process.
+Without root none of the namespace, root-folder or user-id steps is taken (they need CAP_SYS_ADMIN
+and setuid; an unprivileged user namespace could give the namespaces on kernels that allow one, which
+this sandbox does not attempt): the process, time, memory and environment limits still hold, but the
+code can reach the network, read what the current user can read (every world-readable file,
+/proc/*/cmdline of every process) and write wherever the current user can.
+``isolation_level()`` says which level is in force here. The harness reports results on a private
+pipe; the events must come in the harness's own order (program, then tests 0, 1, ... once each) or
+the result is marked ``tampered`` and scores 0; a process the program forks reports nothing and
+ends where the program (or the test) it ran in ends, so only the harness's own events count. That
+catches a program that writes extra or repeated "passed" events; it cannot catch one that forges the
+exact sequence and then exits before the real tests run, since the program shares the harness's
+process.
 """
 
 from __future__ import annotations
@@ -51,6 +66,10 @@ FIRST_UID = 62000
 UID_BLOCK = 64  # user ids leased to one process: the most programs it runs at once
 UID_BLOCKS = 48  # blocks on a host: FIRST_UID + 48·64 stays below 65534 (nobody)
 OUTPUT_KEEP = 64 * 2**10  # bytes kept of each of stdout and stderr (the last ones)
+# Seconds the sandbox process may take to start (the interpreter, the namespaces, the privileges) before
+# the program's own ``timeout`` starts: a loaded machine slows start-up, and it is not the program's time.
+STARTUP_TIMEOUT = 10.0
+_READY = b'{"event": "ready"}\n'  # the harness's line on the results channel just before the program runs
 _RESULTS_MAX = 2**20  # bytes of result events beyond which the channel is taken as flooded
 _LEASE_DIR = "/run/lock" if os.path.isdir("/run/lock") else tempfile.gettempdir()
 
@@ -83,20 +102,75 @@ SANDBOX_PYTHON = _sandbox_python()
 
 # Runs as the sandbox process: confine itself, drop privileges, run the program and each test.
 _BOOTSTRAP = r"""
-import ctypes, json, os, resource, sys, traceback
+import ctypes, json, os, resource, select, signal, sys
 job = json.loads(sys.stdin.read())
 libc = ctypes.CDLL(None, use_errno=True)
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+parent = job["parent"]
 def die_with_parent():
     libc.prctl(1, 9)  # PR_SET_PDEATHSIG = SIGKILL (cleared by setuid: set again after it)
-    if os.getppid() != job["parent"]:  # the parent died before the signal was set
+    if os.getppid() != parent:  # the parent died before the signal was set
         os._exit(1)
 die_with_parent()
 results = os.fdopen(job["results_fd"], "w", buffering=1)
+harness = os.getpid()
 def report(**kw):
-    results.write(json.dumps(kw) + "\n")
+    if os.getpid() == harness:  # only the harness's own events count, none of a process the program forked
+        results.write(json.dumps(kw) + "\n")
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+def mount(source, target, fstype, flags, data=None):
+    return libc.mount(source, target, fstype, flags, data) == 0
+def bind(source, target):  # ``source`` read-only at ``target``, with the mounts below it
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "a").close()
+    if not mount(source.encode(), target.encode(), None, MS_BIND | MS_REC):
+        raise OSError(ctypes.get_errno(), f"cannot bind {source}")
+    mount(None, target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+def build_root():
+    # All the program will see of the files: the system's programs and libraries (/usr, /bin, /lib*), this
+    # interpreter's folders, /etc/ld.so.cache, four devices, and private tmpfs at /tmp and /dev/shm; all
+    # read-only but the tmpfs. None of the host's other folders (/home, /root, /etc, /opt, /srv, /run, ...).
+    root, done = "/tmp/.root", []
+    os.makedirs(root)
+    mount(b"tmpfs", root.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=755")
+    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):  # merged /usr: /bin -> usr/bin
+            os.symlink(os.readlink(top), root + top)
+        elif os.path.isdir(top):
+            bind(top, root + top)
+            done.append(top)
+    wanted = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(sys.executable)]
+    wanted += [os.path.dirname(os.path.realpath(sys.executable))] + [p for p in sys.path if p]
+    for path in sorted({os.path.realpath(p) for p in wanted}, key=len):
+        if os.path.exists(path) and not any(path == d or path.startswith(d + "/") for d in done):
+            bind(path, root + path)
+            done.append(path)
+    if os.path.exists("/etc/ld.so.cache"):
+        bind("/etc/ld.so.cache", root + "/etc/ld.so.cache")
+    for device in ("null", "zero", "random", "urandom"):
+        bind("/dev/" + device, root + "/dev/" + device)
+    for private in ("/tmp", "/dev/shm"):
+        os.makedirs(root + private, exist_ok=True)
+        mount(b"tmpfs", (root + private).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64m,mode=1777")
+    os.makedirs(root + "/proc")
+    return root
+TERMINATING = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 31}
+def exit_as(code):  # end with the program's status: a code above 128 from pid 1 means killed by that signal
+    if code > 128 and code - 128 in TERMINATING:
+        try:
+            signal.signal(code - 128, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), code - 128)
+    os._exit(code & 255)
+def status_code(status):
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 if job["uid"] is not None:
     if libc.unshare(0x00020000 | 0x40000000) == 0:  # CLONE_NEWNS | CLONE_NEWNET
-        libc.mount(b"none", b"/", None, 16384 | (1 << 18), None)  # MS_REC | MS_PRIVATE
+        mount(b"none", b"/", None, MS_REC | (1 << 18))  # MS_PRIVATE
         # every mount read-only (MS_REMOUNT | MS_BIND | MS_RDONLY, keeping nosuid/nodev/noexec/atime flags)
         flags = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
         read_only = False
@@ -104,18 +178,57 @@ if job["uid"] is not None:
             fields = line.split()
             point = fields[4].encode().decode("unicode_escape").encode()
             extra = sum(flags.get(option, 0) for option in fields[5].split(","))
-            done = libc.mount(None, point, None, 32 | 4096 | 1 | extra, None) == 0
+            done = mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | extra)
             read_only = read_only or (done and point == b"/")
         for target in (b"/tmp", b"/var/tmp", b"/dev/shm"):
             if os.path.isdir(target):
-                libc.mount(b"tmpfs", target, b"tmpfs", 0, b"size=64m,mode=1777")
+                mount(b"tmpfs", target, b"tmpfs", 0, b"size=64m,mode=1777")
+        isolation = {"read_only": read_only, "pids": False, "files": False}
+        root = None
+        try:
+            root = build_root()
+        except OSError as err:
+            isolation["files_error"] = str(err)[:200]
+        # A PID namespace: the program sees no process of the host (no /proc/*/cmdline), and every process
+        # it leaves dies with the namespace. Its first process (pid 1) only mounts /proc, reaps until every
+        # process of the namespace ended (a daemon left behind runs into the timeout, as the program's own
+        # time) and passes the program's exit status on; the program runs in its child.
+        if libc.unshare(0x20000000) == 0:  # CLONE_NEWPID
+            alive, held = os.pipe()  # ``held`` stays open in this process only: EOF on ``alive`` = it died
+            init = os.fork()
+            if init:
+                os.close(alive)
+                exit_as(status_code(os.waitpid(init, 0)[1]))
+            os.close(held)
+            libc.prctl(1, 9)
+            if select.select([alive], [], [], 0)[0]:  # this process's parent died before the signal was set
+                os._exit(1)
+            os.close(alive)
+            proc = ((root or "") + "/proc").encode()
+            isolation["pids"] = mount(b"proc", proc, b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            if root is not None:
+                os.chroot(root)
+            program = os.fork()
+            if program:  # pid 1: reap the program and every process it left, then end with its status
+                code = 1
+                while True:
+                    try:
+                        reaped, status = os.wait()
+                    except ChildProcessError:
+                        os._exit(code if code >= 0 else 128 - code)
+                    if reaped == program:
+                        code = status_code(status)
+            harness, parent = os.getpid(), 1
+            die_with_parent()
+        elif root is not None:
+            os.chroot(root)
+        isolation["files"] = root is not None
         os.makedirs("/tmp/sandbox", exist_ok=True)
         os.chown("/tmp/sandbox", job["uid"], job["uid"])
         os.chdir("/tmp/sandbox")
         os.environ["HOME"] = os.environ["TMPDIR"] = "/tmp/sandbox"
-        report(event="namespaces", read_only=read_only)
+        report(event="namespaces", **isolation)
 limits = job["limits"]
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu"], limits["cpu"] + 1))
 resource.setrlimit(resource.RLIMIT_AS, (limits["memory"], limits["memory"]))
 resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize"], limits["fsize"]))
@@ -126,19 +239,38 @@ if job["uid"] is not None:
     os.setgid(job["uid"])
     os.setuid(job["uid"])
     die_with_parent()
+def end_if_forked(err=None):
+    # a process the program forked ends where the program (or the test) ends: it reports nothing and
+    # runs no test; its exit status is its own
+    if os.getpid() != harness:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        code = 0 if err is None else 1
+        if isinstance(err, SystemExit):
+            code = err.code if isinstance(err.code, int) else 0 if err.code is None else 1
+        os._exit(code & 255)
 namespace = {"__name__": "__main__"}
+report(event="ready")  # the program's time starts here: the interpreter's start-up and the confinement are done
 try:
     exec(compile(job["code"], "<completion>", "exec"), namespace)
 except BaseException as err:
+    end_if_forked(err)
     report(event="program", ok=False, error=f"{type(err).__name__}: {err}"[:500])
     sys.exit(0)
+end_if_forked()
 report(event="program", ok=True)
 for i, test in enumerate(job["tests"]):
     try:
         exec(compile(test, f"<test {i}>", "exec"), namespace)
-        report(event="test", index=i, ok=True)
     except BaseException as err:
+        end_if_forked(err)
         report(event="test", index=i, ok=False, error=f"{type(err).__name__}: {err}"[:300])
+    else:
+        end_if_forked()
+        report(event="test", index=i, ok=True)
 """
 
 
@@ -217,6 +349,9 @@ class SandboxResult:
     output_bytes: int = 0  # all the program wrote to stdout and stderr (only the tails are kept)
     isolated: bool = False  # namespaces and a private user id were in force
     read_only: bool = False  # and every mount but the private tmpfs was read-only
+    private_pids: bool = False  # and a PID namespace: the program saw none of the host's processes
+    private_files: bool = False  # and a root of its own: the system's /usr and /lib*, the interpreter, tmpfs
+    startup: float = 0.0  # seconds until the sandbox process was ready to run the program (not timed)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -276,17 +411,21 @@ class _Tail:
         return bytes(self.data[-self.keep :]).decode(errors="replace")[-chars:]
 
 
-def _exchange(proc, job: bytes, results_fd: int, deadline: float) -> tuple[_Tail, _Tail, bytes, bool]:
+def _exchange(proc, job: bytes, results_fd: int, timeout: float) -> tuple[_Tail, _Tail, bytes, bool, float | None]:
     """Write the job to stdin, read stdout, stderr and the results channel until all three close or the
-    deadline passes, keeping bounded amounts. Returns (stdout, stderr, results, finished in time)."""
+    deadline passes, keeping bounded amounts. The deadline is ``STARTUP_TIMEOUT`` from now until the
+    harness says it is ready, then ``timeout`` from that moment. Returns (stdout, stderr, results,
+    finished in time, seconds until ready or None)."""
     out, err, results = _Tail(OUTPUT_KEEP), _Tail(OUTPUT_KEEP), bytearray()
+    start = time.monotonic()
+    deadline, ready = start + STARTUP_TIMEOUT, None
     readers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, results_fd: None}
     stdin, pending = proc.stdin.fileno(), memoryview(job)
     os.set_blocking(stdin, False)
     while readers:
         left = deadline - time.monotonic()
         if left <= 0:
-            return out, err, bytes(results), False
+            return out, err, bytes(results), False, ready
         writers = [stdin] if pending is not None else []
         readable, writable, _ = select.select(list(readers), writers, [], left)
         if writable:
@@ -305,11 +444,14 @@ def _exchange(proc, job: bytes, results_fd: int, deadline: float) -> tuple[_Tail
                 readers[fd].add(chunk)
             elif len(results) < _RESULTS_MAX:
                 results += chunk
+                if ready is None and _READY in results:  # nothing but the harness writes before it
+                    ready = time.monotonic() - start
+                    deadline = start + ready + timeout
     try:
         proc.wait(max(deadline - time.monotonic(), 0))
     except subprocess.TimeoutExpired:
-        return out, err, bytes(results), False
-    return out, err, bytes(results), True
+        return out, err, bytes(results), False, ready
+    return out, err, bytes(results), True, ready
 
 
 def run_program(
@@ -365,7 +507,7 @@ def run_program(
     finally:
         os.close(write_fd)
     try:
-        out, err, events, in_time = _exchange(proc, json.dumps(job).encode(), read_fd, time.monotonic() + timeout)
+        out, err, events, in_time, ready = _exchange(proc, json.dumps(job).encode(), read_fd, timeout)
     finally:
         # the group, then (root) every process of the slot's user id: daemons that left the group too
         with _suppress():
@@ -382,22 +524,30 @@ def run_program(
     result.seconds = time.perf_counter() - start
     result.stdout, result.stderr = out.text(2000), err.text(2000)
     result.output_bytes = out.total + err.total
+    result.startup = result.seconds if ready is None else ready
     if not in_time:
         result.status, result.reason = "timeout", f"timeout after {timeout:g} s"
+        if ready is None:
+            result.reason = f"the sandbox did not start within {STARTUP_TIMEOUT:g} s (not counted in the timeout)"
     _read_events(result, events, proc.returncode)
     return result
 
 
 def _read_events(result: SandboxResult, events: bytes, returncode: int | None) -> None:
     """Fill ``result`` from the results channel, which must hold the harness's events in its order:
-    [namespaces], program, test 0, test 1, ... each once. Anything else is tampering (score 0)."""
+    [namespaces], ready, program, test 0, test 1, ... each once. Anything else is tampering (score 0)."""
     parsed = []
     try:
         parsed = [json.loads(line) for line in events.decode().splitlines()]
         expected = ["program"] + [("test", i) for i in range(result.total)]
         if parsed and parsed[0].get("event") == "namespaces":
             result.isolated, result.read_only = True, parsed[0].get("read_only") is True
+            result.private_pids, result.private_files = parsed[0].get("pids") is True, parsed[0].get("files") is True
             parsed = parsed[1:]
+        if parsed and parsed[0] == {"event": "ready"}:
+            parsed = parsed[1:]
+        elif parsed:
+            raise ValueError("events before the harness was ready")
         seen = [e["event"] if e["event"] == "program" else (e["event"], e["index"]) for e in parsed]
         if (
             len(events) >= _RESULTS_MAX

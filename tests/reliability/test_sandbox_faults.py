@@ -71,7 +71,9 @@ def test_world_writable_host_folders_are_read_only_in_the_sandbox():
     result = run_program("pass", tests, timeout=10)
     assert result.isolated and result.read_only
     assert result.passed == 1 and len(result.errors) == len(names), result.errors
-    assert all("Read-only file system" in error for error in result.errors)
+    # with a root of its own (issue 24 item 19) a host folder outside /usr, /lib* is not there at all
+    missing = ("No such file or directory",) if result.private_files else ()
+    assert all(any(e in error for e in ("Read-only file system", *missing)) for error in result.errors), result.errors
     assert not any(os.path.exists(name) for name in names)
 
 
