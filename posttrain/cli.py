@@ -253,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, f"posttrain export: error: {err}\n")
         print(f"wrote {out}")
         if args.push_to_hub:
-            print(f"pushed to {push_to_hub(out, args.push_to_hub)}")
+            try:  # a UserError (no token, offline, no answer) or a repo id the Hub refuses: one line, folder kept
+                url = push_to_hub(out, args.push_to_hub)
+            except ValueError as err:
+                parser.exit(2, f"posttrain export: error: {err}\n")
+            print(f"pushed to {url}")
         return 0
     if args.command == "tiny":
         from posttrain.models.tiny import build_tiny

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -91,13 +92,29 @@ def export(source: str | Path, out: str | Path, merge_lora: bool = False) -> Pat
 
 
 def _merge(adapter_dir: Path, out: Path) -> None:
+    """The adapter merged into its base: a causal LM (task CAUSAL_LM, or none), or for a reward model
+    (task SEQ_CLS, what ``posttrain rm`` with ``model.lora`` writes) a one-label
+    *ForSequenceClassification whose ``score`` head is the trained one the adapter keeps in
+    ``modules_to_save`` (a causal LM would drop it; issue 24 item 4)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+    from posttrain.errors import UserError
     from posttrain.models import peft_wrapping
 
-    base_path = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto")
+    adapter = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base_path, task = adapter["base_model_name_or_path"], adapter.get("task_type") or "CAUSAL_LM"
+    if task == "SEQ_CLS":
+        base = AutoModelForSequenceClassification.from_pretrained(base_path, dtype="auto", num_labels=1)
+        if base.config.pad_token_id is None:  # as posttrain's reward models read it (models.load_scalar_model)
+            base.config.pad_token_id = base.config.eos_token_id
+    elif task == "CAUSAL_LM":
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto")
+    else:
+        raise UserError(
+            f"--merge-lora: {adapter_dir} is a {task} adapter; posttrain merges CAUSAL_LM (policies) and SEQ_CLS "
+            "(reward models) adapters only; export it without --merge-lora"
+        )
     with peft_wrapping():
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out)
@@ -214,10 +231,55 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+HUB_CHECK_SECONDS = 10.0
+"""How long ``check_hub_access`` waits for the Hub to say who the token belongs to."""
+
+
+def check_hub_access(folder: Path, timeout: float = HUB_CHECK_SECONDS) -> str:
+    """The Hub user the token belongs to; else ``UserError`` in one line (offline mode, no token, a token
+    the Hub refuses, or no answer within ``timeout`` seconds), naming ``folder``, which stays written.
+    Before any upload: without a token or a network, huggingface_hub retried for ~50 s and ended in a
+    35-74-line traceback (issue 24 item 5)."""
+    import threading
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from posttrain.errors import UserError
+
+    kept = f"the exported folder {folder} is written; upload it later with `hf upload REPO {folder}`"
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE
+    if offline:
+        raise UserError(f"--push-to-hub: HF_HUB_OFFLINE is set, so nothing can be uploaded; {kept}")
+    token = huggingface_hub.get_token()
+    if not token:
+        raise UserError(f"--push-to-hub: no Hugging Face token (run `hf auth login` or set HF_TOKEN); {kept}")
+    answer: dict = {}
+
+    def ask() -> None:
+        try:
+            answer["user"] = huggingface_hub.HfApi().whoami(token=token)
+        except Exception as err:  # HTTP 401, no connection, DNS: said in one line below
+            answer["error"] = err
+
+    worker = threading.Thread(target=ask, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise UserError(f"--push-to-hub: the Hub did not answer within {timeout:g} s (no network?); {kept}")
+    if "error" in answer:
+        err = answer["error"]
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"--push-to-hub: the Hub refused the token or could not be reached ({first}); {kept}")
+    return str(answer["user"].get("name", "?"))
+
+
 def push_to_hub(folder: Path, repo_id: str) -> str:
-    """Upload ``folder`` to the Hub model repository ``repo_id`` (created when missing); returns its URL."""
+    """Upload ``folder`` to the Hub model repository ``repo_id`` (created when missing); returns its URL.
+    The token and the Hub's reachability are checked first (``check_hub_access``)."""
     from huggingface_hub import HfApi
 
+    check_hub_access(folder)
     api = HfApi()
     api.create_repo(repo_id, exist_ok=True)
     return str(api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message="posttrain export"))

@@ -90,6 +90,11 @@ def test_push_to_hub_uploads_the_exported_folder(tiny_dir, tmp_path, monkeypatch
 
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    # the token and the Hub's answer are checked before any upload (issue 24 item 5): a stand-in for both
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_dummy")
+    monkeypatch.setattr(huggingface_hub.HfApi, "whoami", lambda self, token=None: {"name": "me"})
     assert main(["export", str(run), "--out", str(tmp_path / "full"), "--push-to-hub", "me/tiny-sft"]) == 0
     assert calls == [("create", "me/tiny-sft", True), ("upload", "me/tiny-sft", "posttrain export")]
     uploaded = hub / "me" / "tiny-sft"
