@@ -64,3 +64,46 @@ def copy_with_generation_defaults(src, dst, **fields):
     config.update(fields or CHECKPOINT_GENERATION_DEFAULTS)
     path.write_text(json.dumps(config))
     return str(dst)
+
+
+def adam_step_bound(t: int, beta1: float = 0.9, beta2: float = 0.999) -> float:
+    """The most |m̂_t / √v̂_t| can be at Adam's step t (bias-corrected), for any gradients: by Cauchy–Schwarz
+    on m_t = (1−β1) Σ β1^(t−i) g_i against v_t = (1−β2) Σ β2^(t−i) g_i²,
+
+        |m̂_t| / √v̂_t ≤ (1−β1)/(1−β1^t) · √((1−β2^t)/(1−β2)) · √(Σ_{k<t} (β1²/β2)^k)
+
+    (1 at t = 1, 1.002 at t = 2, ≈ 1 for the first steps; at most 7.3 in the long run)."""
+    ratio = sum((beta1**2 / beta2) ** k for k in range(t))
+    return (1 - beta1) / (1 - beta1**t) * ((1 - beta2**t) / (1 - beta2)) ** 0.5 * ratio**0.5
+
+
+def assert_adam_trained_alike(
+    actual, expected, lr: float, updates: int, msg: str = "", atol: float = 1e-5, share: float = 1e-3
+) -> None:
+    """Weights trained from the same start by AdamW (weight decay 0) in two arithmetics that should agree
+    (one process against two, ZeRO, FSDP2: another reduction order), compared by what the arithmetic
+    guarantees, not by a tolerance one CPU happens to meet (issue 24 item 0).
+
+    Adam divides by √v̂, so where an element's gradient is near zero (near-cancelling terms), the rounding
+    of one reduction order against another can turn into a step of up to lr in either direction: one
+    element of 32,768 differed by 1.24e-5 after 4 PPO updates on an AMD EPYC, against atol 1e-5. So:
+
+    - at most ``share`` (0.1 %) of the elements may differ by more than ``atol`` (float noise through
+      the rest of the update); a missing all-reduce trains on another gradient, and the sign of
+      rank 0's half-batch gradient differs from the whole batch's on far more of them at the first
+      update, where Adam's step is lr·sign(g);
+    - no element may differ by more than 2 · lr · Σ_t adam_step_bound(t): what two Adam trajectories
+      from the same weights can differ by after ``updates`` steps, whatever the gradients.
+
+    Adam is invariant to the scale of the gradient, so weights cannot catch a wrong share of the loss:
+    the callers compare the gradient norm of every step to rel 1e-5 (taken before the optimizer, after
+    the all-reduce: a missing all-reduce or a wrong share changes it); that is the exact check."""
+    actual, expected = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
+    assert actual.shape == expected.shape, f"{msg}: shapes {actual.shape} and {expected.shape}"
+    diff = (actual - expected).abs()
+    bound = 2 * lr * sum(adam_step_bound(t) for t in range(1, updates + 1))
+    worst = float(diff.max()) if diff.numel() else 0.0
+    off = int((diff > atol).sum())
+    allowed = max(1, int(share * diff.numel()))
+    assert off <= allowed, f"{msg}: {off} of {diff.numel()} elements differ by more than {atol} (at most {allowed})"
+    assert worst <= bound, f"{msg}: an element differs by {worst:.3g}, beyond Adam's bound {bound:.3g}"

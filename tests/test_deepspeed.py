@@ -18,7 +18,9 @@ from pathlib import Path
 import ddp_driver
 import pytest
 import torch
+from helpers import assert_adam_trained_alike
 from safetensors.torch import load_file
+from test_ddp_roles import LR, updates
 from test_ddp_roles import _runs as ddp_runs
 
 from posttrain.data.synthetic import vowel_pairs
@@ -51,7 +53,7 @@ def _runs(tiny_dir, data_dir, out: Path, micro: int) -> dict[str, tuple[str, lis
         "run.progress=false",
         "run.report_to=[jsonl]",
         "data.chat_template=never",
-        "optim.lr=1e-4",  # Adam turns float noise in tiny gradients into steps of up to lr
+        f"optim.lr={LR}",  # Adam turns float noise in tiny gradients into steps of up to lr
     ]
     runs = {
         "sft": ("sft", [f"data.path={sft_data}", "data.eval_fraction=0.125"], ["policy/model.safetensors"]),
@@ -105,8 +107,8 @@ def test_zero_on_two_processes_matches_one_plain_process(stage, tiny_dir, tmp_pa
             a = load_file(one_root / name / "final" / file)
             b = load_file(tmp_path / name / "final" / file)
             assert a.keys() == b.keys(), name
-            for k in a:
-                torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=f"ZeRO-{stage} {name} {file} {k}")
+            for k in a:  # Adam-trained weights: within what the arithmetic guarantees (tests/helpers.py)
+                assert_adam_trained_alike(b[k], a[k], LR, 2, msg=f"ZeRO-{stage} {name} {file} {k}")
         norms = [[r["grad_norm"] for r in read_metrics(d / name) if "grad_norm" in r] for d in (one_root, tmp_path)]
         assert len(norms[1]) == 2, name  # one record per optimizer step: ZeRO stepped twice, not four times
         assert norms[1] == pytest.approx(norms[0], rel=1e-5), name
@@ -144,8 +146,9 @@ def test_grpo_and_ppo_under_zero_on_two_processes_match_one_plain_process(stage,
         for file in saved:
             a = load_file(root / "one" / name / "final" / file)
             b = load_file(root / f"zero{stage}" / name / "final" / file)
-            for k in a:
-                torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=f"ZeRO-{stage} {name} {file} {k}")
+            for k in a:  # Adam-trained weights (tests/helpers.py); PPO's critic at critic_lr = 10 × optim.lr
+                lr = 10 * LR if file.startswith("critic/") else LR
+                assert_adam_trained_alike(b[k], a[k], lr, updates(name), msg=f"ZeRO-{stage} {name} {file} {k}")
         keys = ("grad_norm", "critic_grad_norm") if name in ("ppo_reward", "ppo_policy") else ("grad_norm",)
         for key in keys:  # the critic's own engine steps too
             norms = [[r[key] for r in read_metrics(root / d / name) if key in r] for d in ("one", f"zero{stage}")]
