@@ -71,6 +71,44 @@ def _scored(grouped: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Ten
     return scored, torch.where(scored, grouped, 0.0), scored.sum(dim=1, keepdim=True)
 
 
+class NonFiniteGroupError(ValueError):
+    """Finite rewards whose magnitude makes their group's statistics (mean, std, leave-one-out mean) non-finite
+    even in float64. ``row``: the index in ``rewards`` of the group's largest scored reward."""
+
+    def __init__(self, message: str, row: int):
+        super().__init__(message)
+        self.row = row
+
+
+def _check_statistics(grouped: torch.Tensor, scored: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
+    """Raise NonFiniteGroupError for the first group whose scored rewards are all finite but one of ``stats``
+    ([P, 1] or [P, G] float64, or a scalar for the whole batch) is not: its advantages would silently be 0
+    (x / inf) or NaN. A group holding a non-finite reward is the caller's to refuse; it is not judged here."""
+    finite_inputs = torch.where(scored, grouped, 0.0).isfinite().all(dim=1, keepdim=True)  # [P, 1]
+    G = grouped.shape[1]
+    for name, value in stats.items():
+        bad = finite_inputs & scored & ~value.expand_as(grouped).isfinite()  # [P, G]
+        if not bool(bad.any()):
+            continue
+        within = bad  # a batch statistic: the batch's largest reward
+        if value.dim():  # a group's: the first such group's largest reward
+            first = int(bad.any(dim=1).nonzero()[0])
+            within = torch.zeros_like(scored)
+            within[first] = scored[first]
+        row = int(torch.where(within, grouped.abs(), -1.0).reshape(-1).argmax())
+        g = row // G
+        raise NonFiniteGroupError(
+            f"reward {float(grouped.reshape(-1)[row]):g} (row {row}) makes the {name} of "
+            f"{'the batch' if value.dim() == 0 else f'its group (rows {g * G}-{g * G + G - 1})'} non-finite even in "
+            "float64; rewards must stay well within ±1e150 to be compared",
+            row,
+        )
+
+
+def _out_dtype(rewards: torch.Tensor) -> torch.dtype:
+    return rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+
+
 def _zero_constant_groups(grouped: torch.Tensor, centered: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """Exactly 0 for a group whose scored rows are all equal (or fewer than two), and for unscored rows:
     r − mean can leave a float residue that a std-division turns into huge advantages (docs/pitfalls.md #9)."""
@@ -97,21 +135,31 @@ def group_advantages(
     mask: [B], 1 = scored; mean and std are taken over a group's scored rows only and an unscored row
     (a reward function returned None) gets 0: filling it in would shrink the std. Default: all scored.
     std uses Bessel's correction. A constant group, or one with fewer than two scored rows, gives
-    exactly 0. Returns [B].
+    exactly 0. Returns [B] in the dtype of ``rewards``.
+
+    The statistics are computed in float64, as PPO's whitening (``trainers.online.gather_whiten``): in
+    float32 the rewards 0 and 1e30 of one group square to inf, std = inf and every advantage silently
+    became 0. Finite rewards whose statistics overflow even float64 (|r| ≳ 1e154) raise
+    ``NonFiniteGroupError`` naming the row, instead of training on advantages of 0 or NaN.
     """
-    grouped = _grouped(rewards, group_size)
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be one of ('group', 'batch', 'none'), got {scale!r}")
+    grouped = _grouped(rewards, group_size).double()
     scored, values, n = _scored(grouped, mask)
     mean = values.sum(dim=1, keepdim=True) / n.clamp(min=1)
     deviation = torch.where(scored, grouped - mean, 0.0)
     centered = _zero_constant_groups(grouped, deviation, scored)
+    stats = {"mean": mean}
     if scale == "group":
         std = (deviation.square().sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+        stats["std"] = std
         centered = centered / (std + eps)
     elif scale == "batch":
-        centered = centered / (rewards[scored.reshape(-1)].std() + eps)
-    elif scale != "none":
-        raise ValueError(f"scale must be one of ('group', 'batch', 'none'), got {scale!r}")
-    return centered.reshape(-1)
+        std = grouped.reshape(-1)[scored.reshape(-1)].std()
+        stats["std"] = std
+        centered = centered / (std + eps)
+    _check_statistics(grouped, scored, stats)
+    return centered.reshape(-1).to(_out_dtype(rewards))
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,9 +169,11 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, mask: torch.Tensor |
 
     rewards: [B] in consecutive groups of ``group_size``. mask: [B], 1 = scored: the baseline averages
     the other *scored* rows of the group (n − 1 of them) and an unscored row gets 0. A constant group,
-    or one with fewer than two scored rows, gives exactly 0. Returns [B].
+    or one with fewer than two scored rows, gives exactly 0. Returns [B] in the dtype of ``rewards``;
+    computed in float64, non-finite statistics raise ``NonFiniteGroupError`` (``group_advantages``).
     """
-    grouped = _grouped(rewards, group_size)
+    grouped = _grouped(rewards, group_size).double()
     scored, values, n = _scored(grouped, mask)
     others_mean = (values.sum(dim=1, keepdim=True) - values) / (n - 1).clamp(min=1)
-    return _zero_constant_groups(grouped, grouped - others_mean, scored).reshape(-1)
+    _check_statistics(grouped, scored, {"leave-one-out mean": others_mean})
+    return _zero_constant_groups(grouped, grouped - others_mean, scored).reshape(-1).to(_out_dtype(rewards))

@@ -7,7 +7,10 @@ Layout of ``<output_dir>/checkpoints/step-000120/``:
     state/               accelerate ``save_state``: optimizer, scheduler, RNG states (every process)
     config.yaml          the resolved config of the run that wrote it
     trainer_state.json   step, epoch, the config's hash and the trainer's own state (e.g. the adaptive KL
-                         controller); written last, so a folder without it is a partial checkpoint and is refused
+                         controller); a folder without it is a partial checkpoint and is refused
+    manifest.json        {file: size in bytes} of every other file, written last: ``resume_from=latest`` skips a
+                         checkpoint whose files no longer match it (a 0-byte model.safetensors or optimizer.bin
+                         from a full disk or a torn copy), saying so, for the newest one that matches
 
 A checkpoint resumes only the run that wrote it: the config may differ in the fields of
 ``RESUMABLE_CHANGES`` alone (how long to train, how often to save and log, where to write), and the
@@ -17,11 +20,14 @@ resumed run says so. Nothing non-finite is ever written: a model with a NaN or i
 ``NonFiniteError`` instead of being saved.
 
 A checkpoint is written under ``.tmp-step-000120``, flushed to disk, then renamed: a process killed
-while saving leaves the previous checkpoint as the latest one (docs/pitfalls.md #14).
+while saving leaves the previous checkpoint as the latest one (docs/pitfalls.md #14). A full disk is said
+as such (``DiskFullError``), naming the folder; the save's temporary folder is removed, the older
+checkpoints are kept. Temporary folders a killed save left are removed by the next save.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -32,11 +38,15 @@ from pathlib import Path
 import torch
 import yaml
 
+from posttrain.errors import UserError
 from posttrain.trainers.weights import weights_from_hf, weights_left_to_hf
 
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
+MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_DIR = re.compile(r"^\.tmp-step-(\d+)$")
+_NEVER_EMPTY = (".safetensors", ".bin", ".pt", ".pth", ".pkl")  # weight and state files
 RESUMABLE_CHANGES = frozenset(
     {
         "run.max_steps",
@@ -59,6 +69,10 @@ RESUMABLE_CHANGES = frozenset(
 
 class IncompleteCheckpointError(RuntimeError):
     pass
+
+
+class DiskFullError(UserError, OSError):
+    """No space left on the device while a checkpoint was written; its partial folder is removed."""
 
 
 class NonFiniteError(RuntimeError):
@@ -145,19 +159,61 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found) if (p / STATE_FILE).is_file()]
 
 
-def resolve_resume(output_dir: str | Path, resume_from: str | None) -> Path | None:
-    """The checkpoint folder ``resume_from`` names (``latest`` = newest complete), None for a fresh run."""
+def checkpoint_damage(path: Path) -> str | None:
+    """What is wrong with the files of checkpoint ``path`` (None: nothing found). A checkpoint with a
+    manifest must hold every file it lists, at its size; one written before manifests existed is only
+    checked for empty weight and state files (never valid: a full disk or a torn copy leaves them)."""
+    manifest = path / MANIFEST_FILE
+    if manifest.is_file():
+        try:
+            sizes = json.loads(manifest.read_text())["files"]
+        except (ValueError, KeyError, TypeError, OSError) as err:
+            return f"{MANIFEST_FILE} is unreadable ({err})"
+        for name, size in sizes.items():
+            file = path / name
+            if not file.is_file():
+                return f"{name} is missing"
+            if file.stat().st_size != size:
+                return f"{name} has {file.stat().st_size} bytes, {size} were written"
+        return None
+    for file in sorted(path.rglob("*")):
+        if file.suffix in _NEVER_EMPTY and file.is_file() and not file.stat().st_size:
+            return f"{file.relative_to(path)} is empty (0 bytes)"
+    return None
+
+
+def resolve_resume(output_dir: str | Path, resume_from: str | None, say=print) -> Path | None:
+    """The checkpoint folder ``resume_from`` names (``latest`` = the newest complete one whose files match
+    its manifest: a damaged one is skipped, and ``say`` tells which and why), None for a fresh run."""
     if resume_from is None:
         return None
     if resume_from == "latest":
         found = list_checkpoints(output_dir)
-        return found[-1] if found else None
+        skipped = []
+        for path in reversed(found):
+            damage = checkpoint_damage(path)
+            if damage is None:
+                return path
+            skipped.append(f"{path.name} ({damage})")
+            say(f"resume_from=latest: checkpoint {path} is damaged: {damage}; skipping it")
+        if skipped:
+            raise IncompleteCheckpointError(
+                f"run.resume_from=latest: every checkpoint in {checkpoints_dir(output_dir)} is damaged: "
+                f"{'; '.join(skipped)}. To start the run over, set run.overwrite=true without run.resume_from"
+            )
+        return None
     path = Path(resume_from)
     if not path.is_dir():
         raise FileNotFoundError(f"run.resume_from: no checkpoint folder at {path}")
     if not (path / STATE_FILE).is_file():
         raise IncompleteCheckpointError(
             f"run.resume_from: {path} has no {STATE_FILE}: it is a partial checkpoint (a save was interrupted)"
+        )
+    damage = checkpoint_damage(path)
+    if damage is not None:
+        raise IncompleteCheckpointError(
+            f"run.resume_from: {path} is damaged: {damage}; name an older checkpoint, or run.resume_from=latest "
+            "takes the newest one that is complete"
         )
     return path
 
@@ -174,29 +230,81 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
+def _write_manifest(folder: Path) -> None:
+    """``manifest.json``: {relative path: size} of every file of ``folder``; the last file a save writes."""
+    files = {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_FILE
+    }
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1))
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """A write that failed for want of space: ENOSPC / EDQUOT, or the messages of torch's stream writer
+    (``basic_ios::clear: iostream error``, ``PytorchStreamWriter failed writing file``) and of safetensors
+    (``StorageFull``), which carry no errno."""
+    for e in (err, err.__cause__, err.__context__):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e) if e is not None else ""
+        if any(m in text for m in ("iostream error", "failed writing file", "StorageFull", "No space left on device")):
+            return True
+    return False
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    """Remove the temporary folders of saves that never finished (a killed run's): they hold disk space."""
+    if root.is_dir():
+        for path in root.iterdir():
+            if _TMP_DIR.match(path.name) and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+
+
 def save_checkpoint(accelerator, output_dir, step: int, models: dict, tokenizer, trainer_state: dict, keep_last: int):
-    """Write checkpoint ``step`` atomically and keep the newest ``keep_last``. Collective: call on every process."""
+    """Write checkpoint ``step`` atomically and keep the newest ``keep_last``. Collective: call on every process.
+
+    A full disk raises ``DiskFullError`` saying so, with the folder, after removing the temporary folder
+    (the older checkpoints stay)."""
     root = checkpoints_dir(output_dir)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
     state_dicts = {role: accelerator.get_state_dict(model) for role, model in models.items()}
     check_finite_weights(accelerator, f"checkpoint step {step}", state_dicts)
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    with weights_left_to_hf(accelerator, models):
-        accelerator.save_state(str(tmp / "state"))
-    for role, model in models.items():
+    try:
         if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(tmp / "hf" / role, state_dict=state_dicts[role])
-            tokenizer.save_pretrained(tmp / "hf" / role)
+            _remove_stale_tmp(root)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        with weights_left_to_hf(accelerator, models):
+            accelerator.save_state(str(tmp / "state"))
+        accelerator.wait_for_everyone()  # every process's files are in tmp before the manifest lists them
+        for role, model in models.items():
+            if accelerator.is_main_process:
+                accelerator.unwrap_model(model).save_pretrained(tmp / "hf" / role, state_dict=state_dicts[role])
+                tokenizer.save_pretrained(tmp / "hf" / role)
+        if accelerator.is_main_process:
+            config = yaml.safe_load((Path(output_dir) / CONFIG_FILE).read_text())
+            shutil.copyfile(Path(output_dir) / CONFIG_FILE, tmp / CONFIG_FILE)
+            state = {"step": step, "config_hash": config_hash(config), **trainer_state}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            _write_manifest(tmp)
+            _fsync_tree(tmp)
+    except Exception as err:
+        if not is_disk_full(err):  # left as a killed save leaves it: refused as partial, removed by the next save
+            raise
+        if accelerator.is_main_process:  # it holds space the user needs back
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = [p for p in list_checkpoints(output_dir) if p != final]
+        older = f"the older checkpoints are kept (latest: {kept[-1]})" if kept else "no older checkpoint exists"
+        said = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        full = DiskFullError(
+            f"checkpoint step {step}: no space left on device writing {tmp} ({said}); the partial folder was "
+            f"removed and {older}. Free space there (or lower run.keep_last) and resume with run.resume_from=latest"
+        )
+        full.errno = errno.ENOSPC
+        raise full from err
     if accelerator.is_main_process:
-        config = yaml.safe_load((Path(output_dir) / CONFIG_FILE).read_text())
-        shutil.copyfile(Path(output_dir) / CONFIG_FILE, tmp / CONFIG_FILE)
-        state = {"step": step, "config_hash": config_hash(config), **trainer_state}
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
-        _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -43,6 +43,7 @@ from posttrain.trainers.config import (
 from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.loop import PhaseTimer, Trainable, build_accelerator, run_offline, split_train_eval
 from posttrain.trainers.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
+from posttrain.trainers.runlock import holds_run_dir
 
 REFERENCE_MODES = ("auto", "copy", "adapter", "precompute")
 IPO_LOGPS = ("sum", "mean")
@@ -217,6 +218,7 @@ def precompute_reference(forward, examples: list[DPOExample], collate, micro_bat
             e.ref_chosen, e.ref_rejected = c, r
 
 
+@holds_run_dir  # the run folder stays locked until the run ends (runlock)
 def train(config: DPOConfig, callbacks=()) -> dict:
     """Train the policy with DPO; writes ``<run.output_dir>/final/policy``."""
     config.validate()

@@ -68,6 +68,7 @@ from posttrain.trainers.online import (
     train_minibatch,
 )
 from posttrain.trainers.prefix import check_shared_prefix, resolve_shared_prefix
+from posttrain.trainers.runlock import holds_run_dir
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
 REWARD_SCALES = ("group", "batch", "none")
@@ -546,6 +547,7 @@ class GRPOTrainer(OnlineTrainer):
         return loss, {**stats, "loss": loss.detach()}, entropy
 
 
+@holds_run_dir  # the run folder stays locked until the run ends (runlock)
 def train(config: GRPOConfig, callbacks=()) -> dict:
     """Run GRPO; writes ``<run.output_dir>/final/policy``."""
     return GRPOTrainer(config).train(callbacks)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from posttrain.models import ModelConfig
 from posttrain.rewards import load_reward_function
+from posttrain.trainers.runlock import LOCK_FILE, locked_run_dir
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _FINAL = re.compile(r"^(?P<run>.*?)/?final/(?P<role>policy|reward|critic)/?$")
@@ -52,7 +53,8 @@ def check_inputs(config) -> None:
     if evaluation is not None and evaluation.path:
         _check_data_path("eval.path", evaluation.path)
     if run is not None:
-        check_run_dir(run)
+        with locked_run_dir(run.output_dir):  # one run per folder, for the run's life (runlock); not if refused
+            check_run_dir(run)
     cap_to_context(config)
 
 
@@ -289,7 +291,7 @@ def check_run_dir(run) -> None:
         return
     if run.resume_from is not None and (run.resume_from != "latest" or list_checkpoints(out)):
         return
-    held = sorted(p.name for p in out.iterdir())
+    held = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE)
     if run.resume_from == "latest" and (found := [name for name in RUN_FILES if (out / name).exists()]):
         raise ValueError(
             f"run.resume_from=latest: {out} holds a run ({', '.join(found)}) but no checkpoint: nothing to resume "

@@ -17,6 +17,7 @@ reads exactly the batches an uninterrupted one would (docs/pitfalls.md #13).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -45,6 +46,8 @@ from posttrain.trainers.checkpoint import (
 from posttrain.trainers.config import OptimConfig, RunConfig, to_dict
 from posttrain.trainers.inputs import check_batch_split
 from posttrain.trainers.metrics import MetricsLogger, read_metrics
+from posttrain.trainers.runlock import LOCK_FILE
+from posttrain.trainers.signals import handles_stop_signals, stop_if_signalled
 
 
 class Task(Protocol):
@@ -195,6 +198,7 @@ def backward_share(accelerator, model, loss: torch.Tensor, local_units: float, g
     return weight
 
 
+@handles_stop_signals  # SIGTERM / SIGINT: the step finishes, a checkpoint is saved, exit 143 / 130
 def run_offline(
     task: Task,
     trainable: Trainable,
@@ -264,12 +268,16 @@ def run_offline(
         if done % run.log_every == 0 or done == total_steps or evaluated:
             logger.log(done, record, bar_keys)
         logger.advance()
-        if checkpoint_due(run, done, total_steps):
-            save_checkpoint(
-                accelerator, run.output_dir, done, saved, tokenizer, {"epoch": metrics["epoch"]}, run.keep_last
-            )
+        trainer_state = {"epoch": metrics["epoch"]}
+        save = functools.partial(
+            save_checkpoint, accelerator, run.output_dir, done, saved, tokenizer, trainer_state, run.keep_last
+        )
+        due = checkpoint_due(run, done, total_steps)
+        if due:
+            save()
         for callback in callbacks:
             callback(done, record)
+        stop_if_signalled(accelerator, Path(run.output_dir).name, run.output_dir, done, total_steps, due, save, logger)
 
     logger.close()
     save_final(accelerator, run.output_dir, saved, tokenizer)
@@ -437,7 +445,7 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
     # every process has checked the run folder (inputs.check_run_dir) before the first write to it
     accelerator.wait_for_everyone()
     state = None
-    resume = resolve_resume(run.output_dir, run.resume_from)
+    resume = resolve_resume(run.output_dir, run.resume_from, say=lambda line: accelerator.print(f"[{run_name}] {line}"))
     accelerator.wait_for_everyone()  # every process looked for the checkpoint before one is cleared
     if run.overwrite and resume is None and accelerator.is_main_process:  # a fresh run (latest found none)
         clear_run_dir(run.output_dir)
@@ -482,6 +490,8 @@ def clear_run_dir(output_dir) -> None:
     if not (out / CONFIG_FILE).is_file():
         raise ValueError(f"run.overwrite: {out} has no {CONFIG_FILE}: not a posttrain run folder; not clearing it")
     for path in out.iterdir():
+        if path.name == LOCK_FILE:  # this run's own lock (runlock): removing it would let another run in
+            continue
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 

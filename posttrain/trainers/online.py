@@ -40,7 +40,7 @@ from posttrain.rollout import (
     build_engine,
     ignored_checkpoint_sampling,
 )
-from posttrain.trainers import engines
+from posttrain.trainers import engines, signals
 from posttrain.trainers.checkpoint import save_checkpoint
 from posttrain.trainers.inputs import check_batch_split, check_inputs
 from posttrain.trainers.loop import (
@@ -164,6 +164,7 @@ class OnlineTrainer:
 
     # -- the loop ---------------------------------------------------------------------------------------
 
+    @signals.handles_stop_signals  # SIGTERM / SIGINT: the step finishes, a checkpoint is saved, exit 143 / 130
     def train(self, callbacks: tuple[Callable[[int, dict], None], ...] = ()) -> dict:
         """Resume (``run.resume_from``), run ``train_step`` + weight sync + ``end_step`` for every step,
         save ``final/``. Returns {"final_metrics", "steps", "output_dir", "processes", **state}."""
@@ -182,11 +183,13 @@ class OnlineTrainer:
                 self.logger.log(step + 1, metrics)
                 self.logger.advance()
                 self.save_if_due(step + 1)
+                self.stop_if_signalled(step + 1)
                 continue
             with timer("sync_weights"):
                 self.sync_weights()
             metrics["lr"] = lr
             self.end_step(step + 1, metrics, rollout, scores, timer.read(time.perf_counter() - t0), callbacks)
+            self.stop_if_signalled(step + 1)
         self.logger.close()
         save_final(acc, cfg.run.output_dir, self.models_to_save(), self.tokenizer)
         engines.release_freed_memory()
@@ -232,17 +235,29 @@ class OnlineTrainer:
 
     def save_if_due(self, done: int) -> None:
         """A checkpoint after step ``done`` when ``loop.checkpoint_due``: every ``run.save_every`` and the last."""
+        if checkpoint_due(self.config.run, done, self.total_steps):
+            self.save(done)
+
+    def save(self, done: int):
+        """Checkpoint ``done`` (``checkpoint.save_checkpoint``); returns its folder."""
         cfg = self.config
-        if checkpoint_due(cfg.run, done, self.total_steps):
-            save_checkpoint(
-                self.accelerator,
-                cfg.run.output_dir,
-                done,
-                self.models_to_save(),
-                self.tokenizer,
-                self.state(),
-                cfg.run.keep_last,
-            )
+        return save_checkpoint(
+            self.accelerator,
+            cfg.run.output_dir,
+            done,
+            self.models_to_save(),
+            self.tokenizer,
+            self.state(),
+            cfg.run.keep_last,
+        )
+
+    def stop_if_signalled(self, done: int) -> None:
+        """After step ``done``: on SIGTERM / SIGINT, a checkpoint, one line saying where, exit 143 / 130
+        (``signals.stop_if_signalled``)."""
+        run, total = self.config.run, self.total_steps
+        due = checkpoint_due(run, done, total)
+        save = lambda: self.save(done)  # noqa: E731
+        signals.stop_if_signalled(self.accelerator, self.name, run.output_dir, done, total, due, save, self.logger)
 
 
 # -- the update skeleton ------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ from posttrain.trainers.online import (
     reference_logprobs,
     train_minibatch,
 )
+from posttrain.trainers.runlock import holds_run_dir
 
 CRITIC_MODES = ("reward", "policy", "shared")
 
@@ -399,6 +400,7 @@ def critic_metrics(values, returns, mask) -> dict:
     }
 
 
+@holds_run_dir  # the run folder stays locked until the run ends (runlock)
 def train(config: PPOConfig, callbacks=()) -> dict:
     """Run RLHF-PPO; writes ``<run.output_dir>/final/policy`` (and ``final/critic``)."""
     return PPOTrainer(config).train(callbacks)

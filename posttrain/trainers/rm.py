@@ -56,6 +56,7 @@ from posttrain.trainers.config import (
 from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, save_final, split_train_eval
 from posttrain.trainers.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
+from posttrain.trainers.runlock import holds_run_dir
 
 DATA_FORMATS = ("auto", "pairs", "rankings")
 
@@ -206,6 +207,7 @@ def load_ranking_data(config: RMConfig, tokenizer):
     return [RankingExample(p.prompt_ids, [p.chosen_ids, p.rejected_ids]) for p in pairs], report
 
 
+@holds_run_dir  # the run folder stays locked until the run ends (runlock)
 def train(config: RMConfig, callbacks=()) -> dict:
     """Train a reward model; writes ``<run.output_dir>/final/reward``: a *ForSequenceClassification, or with
     ``model.lora`` its adapter, which ``load_reward_model`` (AutoModelForSequenceClassification) loads."""

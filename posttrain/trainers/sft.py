@@ -20,6 +20,7 @@ from posttrain.models import ModelConfig, load_policy, load_tokenizer, sequence_
 from posttrain.trainers.config import PLACED_BY_ACCELERATE, OptimConfig, RunConfig, reject_ignored, validate_sections
 from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
+from posttrain.trainers.runlock import holds_run_dir
 
 
 @dataclass
@@ -64,6 +65,7 @@ class SFTTask:
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "completion_tokens": count}
 
 
+@holds_run_dir  # the run folder stays locked until the run ends (runlock)
 def train(config: SFTConfig, callbacks=()) -> dict:
     """Fine-tune ``config.model`` on ``config.data``; writes ``<run.output_dir>/final/policy``."""
     config.validate()
