@@ -10,12 +10,16 @@
 
 Every number printed is measured in the run; the run directories hold metrics.jsonl, TensorBoard
 events, the resolved configs and Hugging Face checkpoints of every model, and ``report.html`` plots
-them all (``posttrain report``), with the health alerts the online runs raised.
+them all (``posttrain report``), with the health alerts the online runs raised. Each stage prints a
+line every tenth of its steps with its live numbers, then its results; ``summary.json`` and
+``report.html`` are rewritten as each stage finishes, so a demo stopped half-way leaves what it did.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
 import time
 from pathlib import Path
@@ -43,6 +47,51 @@ GRPO_SETTINGS = [
 ]
 """The demo's GRPO stage (16 prompts × 8 samples of ≤ 4 tokens, μ = 2, exact-answer reward, no
 reference); ``bench/engine_curves.py`` runs the same stage with each rollout engine."""
+
+
+STEPS = {"sft": 300, "grpo": 60, "dpo": 60, "rm": 60, "ppo": 30}
+"""Each stage's steps (``quick``: a fifth, at least 2)."""
+
+# The live numbers each stage's progress lines show (those of its metrics that a step has).
+PROGRESS_KEYS = {
+    "sft": ("loss",),
+    "grpo": ("reward/mean", "kl/per_token", "eval/greedy/accuracy"),
+    "dpo": ("loss", "rewards/accuracy", "rewards/margin", "eval/rewards/accuracy"),
+    "rm": ("loss", "accuracy", "eval/accuracy"),
+    "ppo": ("score/mean", "kl/per_sequence", "value_loss"),
+}
+
+
+def _progress(stage: str, total: int):
+    """A trainer callback printing one line every tenth of the stage's steps (and at its last), with the
+    step's numbers, the time so far and an estimate of the time left."""
+    every, start, keys = max(1, total // 10), time.perf_counter(), PROGRESS_KEYS[stage]
+
+    def callback(done: int, record: dict) -> None:
+        if done % every and done != total:
+            return
+        elapsed = time.perf_counter() - start
+        shown = [
+            f"{key} {record[key]:.4g}"
+            for key in keys
+            if isinstance(record.get(key), int | float) and math.isfinite(record[key])
+        ]
+        left = f", ~{elapsed / done * (total - done):.0f} s left" if 0 < done < total else ""
+        print(f"   [{stage}] step {done}/{total}  {'  '.join(shown)}  ({elapsed:.0f} s{left})", flush=True)
+
+    return callback
+
+
+def _finish_stage(out_path: Path, results: dict, start: float, stage: str, line: str) -> None:
+    """Say the stage's results, and write summary.json and report.html of the stages done so far."""
+    results["stages_done"] = [*results.get("stages_done", []), stage]
+    results["seconds"] = round(time.perf_counter() - start, 1)
+    runs = [out_path / name for name in results["stages_done"]]
+    results["report"] = str(write_report(runs, out_path / "report.html"))
+    partial = out_path / "summary.json.partial"
+    partial.write_text(json.dumps(results, indent=2))
+    os.replace(partial, out_path / "summary.json")  # never a half-written summary
+    print(f"   {line}  ({results['seconds']} s; {out_path / 'summary.json'} and report.html updated)", flush=True)
 
 
 def _write(path: Path, rows: list[dict]) -> str:
@@ -78,9 +127,10 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
     out_path = Path(out)
     start = time.perf_counter()
     scale = 0.2 if quick else 1.0
-    steps = {k: max(2, int(v * scale)) for k, v in {"sft": 300, "grpo": 60, "dpo": 60, "rm": 60, "ppo": 30}.items()}
+    steps = {k: max(2, int(v * scale)) for k, v in STEPS.items()}
+    # the trainers' progress bars off: each stage prints a line every tenth of its steps instead
     common = ["run.progress=false", "data.chat_template=never", f"run.seed={seed}", "run.overwrite=true"]
-    results: dict = {"steps": steps}
+    results: dict = {"steps": steps, "stages_done": [], "alerts": {}}
 
     print("1. building a tiny Llama and a character tokenizer (offline)")
     policy_dir = str(build_tiny(out_path / "tiny" / "policy", seed=seed))
@@ -103,10 +153,12 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
                 "optim.lr=3e-3",
                 "optim.scheduler=cosine",
             ],
-        )
+        ),
+        callbacks=(_progress("sft", steps["sft"]),),
     )
     sft_dir = str(out_path / "sft" / "final" / "policy")
     results["sft"] = {"sampled": accuracy(sft_dir, held_out, 1.0, seed=seed), "greedy": accuracy(sft_dir, held_out, 0)}
+    _finish_stage(out_path, results, start, "sft", f"SFT: accuracy {_accuracies(results['sft'])}")
 
     print(f"3. GRPO from the SFT model, reward = the sum is right ({steps['grpo']} steps)")
     prompts = _write(
@@ -127,7 +179,8 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
                 f"eval.path={held_out_path}",
                 f"run.eval_every={max(1, steps['grpo'] // 3)}",
             ],
-        )
+        ),
+        callbacks=(_progress("grpo", steps["grpo"]),),
     )
     grpo_dir = str(out_path / "grpo" / "final" / "policy")
     rewards = [r["reward/mean"] for r in read_metrics(out_path / "grpo")]
@@ -137,6 +190,9 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
         "reward_first5": sum(rewards[:5]) / 5,
         "reward_last5": sum(rewards[-5:]) / 5,
     }
+    results["alerts"]["grpo"] = len(read_alerts(out_path / "grpo"))
+    grpo_line = f"mean reward {results['grpo']['reward_first5']:.3f} -> {results['grpo']['reward_last5']:.3f}"
+    _finish_stage(out_path, results, start, "grpo", f"GRPO: accuracy {_accuracies(results['grpo'])}; {grpo_line}")
 
     print(f"4. DPO from the SFT model on (right sum, wrong sum) pairs ({steps['dpo']} steps)")
     pairs = _write(
@@ -158,7 +214,8 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
                 "reference=precompute",
                 "data.eval_fraction=0.1",
             ],
-        )
+        ),
+        callbacks=(_progress("dpo", steps["dpo"]),),
     )
     dpo_dir = str(out_path / "dpo" / "final" / "policy")
     results["dpo"] = {
@@ -166,6 +223,8 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
         "greedy": accuracy(dpo_dir, held_out, 0),
         "eval_reward_accuracy": dpo_result["eval_metrics"]["eval/rewards/accuracy"],
     }
+    dpo_line = f"held-out implicit-reward accuracy {results['dpo']['eval_reward_accuracy']:.1%}"
+    _finish_stage(out_path, results, start, "dpo", f"DPO: accuracy {_accuracies(results['dpo'])}; {dpo_line}")
 
     print(f"5. reward model from 4-way rankings, more vowels is better ({steps['rm']} steps)")
     rm_data = _write(out_path / "data" / "rankings.jsonl", vowel_rankings(800, k=4, seed=seed))
@@ -185,9 +244,12 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
                 "data.eval_fraction=0.1",
                 "data_format=rankings",
             ],
-        )
+        ),
+        callbacks=(_progress("rm", steps["rm"]),),
     )
     results["rm"] = {"eval_pairwise_accuracy": rm_result["eval_metrics"]["eval/accuracy"]}
+    rm_line = f"held-out pairwise accuracy {results['rm']['eval_pairwise_accuracy']:.1%}"
+    _finish_stage(out_path, results, start, "rm", f"reward model: {rm_line}")
 
     print(f"6. RLHF-PPO of the tiny model against that reward model ({steps['ppo']} steps)")
     ppo_prompts = _write(out_path / "data" / "ppo_prompts.jsonl", [{"prompt": "rank:"}] * 64)
@@ -209,7 +271,8 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
                 "sampling.min_new_tokens=8",
                 "kl_coef=0.05",
             ],
-        )
+        ),
+        callbacks=(_progress("ppo", steps["ppo"]),),
     )
     records = read_metrics(out_path / "ppo")
     tokenizer = load_tokenizer(policy_dir)
@@ -225,14 +288,15 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
         "vowel_share_after": sum(vowel_count(t) for t in texts) / max(1, sum(len(t) for t in texts)),
         "samples_after": texts[:4],
     }
-    results["alerts"] = {name: len(read_alerts(out_path / name)) for name in ("grpo", "ppo")}
-    results["report"] = str(
-        write_report([out_path / n for n in ("sft", "grpo", "dpo", "rm", "ppo")], out_path / "report.html")
-    )
-    results["seconds"] = round(time.perf_counter() - start, 1)
-    (out_path / "summary.json").write_text(json.dumps(results, indent=2))
+    results["alerts"]["ppo"] = len(read_alerts(out_path / "ppo"))
+    ppo_line = f"reward-model score {results['ppo']['score_first5']:.2f} -> {results['ppo']['score_last5']:.2f}"
+    _finish_stage(out_path, results, start, "ppo", f"PPO: {ppo_line}")
     _print_summary(results, out_path)
     return results
+
+
+def _accuracies(r: dict) -> str:
+    return f"{r['sampled']:.1%} sampled at T=1 / {r['greedy']:.1%} greedy"
 
 
 def _print_summary(r: dict, out_path: Path) -> None:
