@@ -63,7 +63,7 @@ _pid = os.getpid()
 def handles_stop_signals(loop):
     """Decorate a training loop: SIGTERM / SIGINT set a flag (``stop_if_signalled`` acts on it) for its
     duration; the previous handlers come back after. Outside the main thread (signals cannot be caught
-    there) the loop runs as it is."""
+    there) the loop runs as it is; a signal the process ignores stays ignored."""
 
     @functools.wraps(loop)
     def wrapper(*args, **kwargs):
@@ -72,7 +72,8 @@ def handles_stop_signals(loop):
             return loop(*args, **kwargs)
         _pid = os.getpid()
         _received.clear()
-        previous = {sig: signal.signal(sig, _handle) for sig in SIGNALS}
+        # a signal the process was started ignoring (SIGINT of a job a script ran in the background) stays ignored
+        previous = {sig: signal.signal(sig, _handle) for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
         _active.append(loop)
         try:
             return loop(*args, **kwargs)
