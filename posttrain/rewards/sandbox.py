@@ -168,6 +168,13 @@ def exit_as(code):  # end with the program's status: a code above 128 from pid 1
     os._exit(code & 255)
 def status_code(status):
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+def enter(root):  # the root folder, or None (and why) when the kernel refuses it
+    try:
+        os.chroot(root)
+        return root
+    except OSError as err:
+        isolation["files_error"] = str(err)[:200]
+        return None
 if job["uid"] is not None:
     if libc.unshare(0x00020000 | 0x40000000) == 0:  # CLONE_NEWNS | CLONE_NEWNET
         mount(b"none", b"/", None, MS_REC | (1 << 18))  # MS_PRIVATE
@@ -207,7 +214,7 @@ if job["uid"] is not None:
             proc = ((root or "") + "/proc").encode()
             isolation["pids"] = mount(b"proc", proc, b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             if root is not None:
-                os.chroot(root)
+                root = enter(root)
             program = os.fork()
             if program:  # pid 1: reap the program and every process it left, then end with its status
                 code = 1
@@ -221,7 +228,7 @@ if job["uid"] is not None:
             harness, parent = os.getpid(), 1
             die_with_parent()
         elif root is not None:
-            os.chroot(root)
+            root = enter(root)
         isolation["files"] = root is not None
         os.makedirs("/tmp/sandbox", exist_ok=True)
         os.chown("/tmp/sandbox", job["uid"], job["uid"])
