@@ -163,7 +163,6 @@ _GENERATION_FLAGS = {
 
 def _run_reward_model_eval(parser, args) -> int:
     """``posttrain eval`` of a reward model on ranked pairs (``trainers.rm.evaluate``)."""
-    from posttrain.data import DataError, NoUsableRows
     from posttrain.monitor.evaluate import format_table
     from posttrain.trainers.config import load_config
     from posttrain.trainers.inputs import check_inputs
@@ -182,7 +181,7 @@ def _run_reward_model_eval(parser, args) -> int:
         config = load_config(RMEvalConfig, args.config, overrides + list(args.overrides))
         check_inputs(config)
         metrics = evaluate(config)
-    except (ValueError, FileNotFoundError, DataError, NoUsableRows) as err:
+    except (ValueError, FileNotFoundError) as err:  # a UserError (bad data, pairs) is a ValueError
         parser.exit(2, f"posttrain eval: error: {err}\n")
     print(format_table(metrics))
     note = "accuracy: the share of ordered pairs the model scores in order (a tie counts as wrong, as in training)"
@@ -196,7 +195,7 @@ def _run_reward_model_eval(parser, args) -> int:
 
 
 def _run_eval(parser, args) -> int:
-    from posttrain.data import DataError, NoUsableRows
+    from posttrain.errors import UserError
     from posttrain.models import is_reward_checkpoint
     from posttrain.monitor.evaluate import EvalRunConfig, evaluate_checkpoint, format_table
     from posttrain.trainers.config import load_config
@@ -221,7 +220,7 @@ def _run_eval(parser, args) -> int:
         parser.exit(2, f"posttrain eval: error: {err}{hint}\n")
     try:
         metrics = evaluate_checkpoint(config)
-    except (DataError, NoUsableRows) as err:  # bad data (a column a reward function needs): one line
+    except UserError as err:  # bad data (a column a reward function needs): one line
         parser.exit(2, f"posttrain eval: error: {err}\n")
     print(format_table(metrics, config.eval.correct_threshold))
     print(json.dumps(metrics, indent=2))
@@ -245,11 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         run_demo(args.out, seed=args.seed, quick=args.quick)
         return 0
     if args.command == "export":
+        from posttrain.errors import UserError
         from posttrain.export import export, push_to_hub
 
         try:
             out = export(args.source, args.out, args.merge_lora)
-        except (FileNotFoundError, FileExistsError) as err:
+        except (FileNotFoundError, FileExistsError, UserError) as err:
             parser.exit(2, f"posttrain export: error: {err}\n")
         print(f"wrote {out}")
         if args.push_to_hub:
@@ -269,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         return _run_eval(parser, args)
     if args.command == "report":
+        from posttrain.errors import UserError
         from posttrain.monitor.report import write_report
 
         try:
             print(f"wrote {write_report(args.runs, args.out)}")
-        except FileNotFoundError as err:
+        except (FileNotFoundError, UserError) as err:
             parser.exit(2, f"posttrain report: error: {err}\n")
         return 0
     if args.command == "vllm-serve":
@@ -299,14 +300,14 @@ def main(argv: list[str] | None = None) -> int:
         check_inputs(config)
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"posttrain {args.command}: error: {err}\n")
-    from posttrain.data import DataError, NoUsableRows
+    from posttrain.errors import UserError
     from posttrain.trainers.checkpoint import NonFiniteError
 
     # the process group is torn down after a run and after the errors every process raises together;
     # not after any other error, where the other processes may still be inside a collective
     try:
         result = module.train(config)
-    except (DataError, NoUsableRows) as err:  # bad data: one line naming file, line and field
+    except UserError as err:  # bad data, a missing or partial checkpoint, a changed config on resume: one line
         _end_distributed()
         parser.exit(2, f"posttrain {args.command}: error: {err}\n")
     except NonFiniteError as err:  # the run stopped itself, saying why: no traceback

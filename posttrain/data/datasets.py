@@ -16,6 +16,7 @@ from posttrain.data.encode import CHAT_TEMPLATE_MODES, OVERLONG_POLICIES, Encode
 from posttrain.data.formats import encode_whole
 from posttrain.data.hub import is_datasets_source, open_dataset, tokenize_with_cache
 from posttrain.data.rows import (
+    FIRST_ROWS,
     DataError,
     NoUsableRows,
     check_preference,
@@ -23,6 +24,7 @@ from posttrain.data.rows import (
     check_ranking,
     check_sft,
     read_rows,
+    with_first_kinds,
 )
 
 MALFORMED_POLICIES = ("error", "skip")
@@ -154,7 +156,9 @@ def _build(config: DataConfig, tokenizer, source, make, example_type) -> tuple[l
 def _build_from_rows(config: DataConfig, encoder: Encoder, source, make) -> tuple[list, DataReport]:
     report, examples = DataReport(), []
     unreadable: list[str] | None = None if config.on_malformed == "error" else []
-    for row in read_rows(config.path if source is None else source, unreadable):
+    rows = read_rows(config.path if source is None else source, unreadable)
+    # the first rows (never more than limit: read ahead, they would count as read) tell the file's kind
+    for row in with_first_kinds(rows, FIRST_ROWS if config.limit is None else min(FIRST_ROWS, config.limit)):
         if config.limit is not None and report.rows >= config.limit:
             break
         report.rows += 1

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError):
     """A row that does not fit its schema: ``where`` is "file:line", ``field`` the offending column."""
 
     def __init__(self, where: str, field: str, message: str):
@@ -38,7 +40,7 @@ class DataError(ValueError):
         super().__init__(f"{where}: field {field!r}: {message}")
 
 
-class NoUsableRows(ValueError):
+class NoUsableRows(UserError):
     """A dataset in which no row survives reading, checking and the length limits."""
 
 
@@ -46,6 +48,11 @@ class NoUsableRows(ValueError):
 class Row:
     where: str  # "path:line" (1-based line of a JSONL file, or row number of a JSON/Parquet table)
     data: dict[str, Any]
+    # the kinds (``row_kind``) of the first rows of the row's file, when its reader looked ahead (``with_first_kinds``)
+    first_kinds: tuple[str | None, ...] | None = None
+
+
+FIRST_ROWS = 5  # the rows that tell what kind of file a file is
 
 
 def read_rows(source, skipped: list[str] | None = None) -> Iterator[Row]:
@@ -219,11 +226,39 @@ def row_kind(data: dict) -> str | None:
     return "prompt" if "prompt" in keys else None
 
 
+def with_first_kinds(rows, n: int = FIRST_ROWS) -> Iterator[Row]:
+    """``rows`` (an iterable of ``Row``) in order, each with ``first_kinds``: the kinds of the first ``n``,
+    read ahead. An error reading one of them is raised where that row would have come."""
+    rows = iter(rows)
+    head, error = [], None
+    while len(head) < n:
+        try:
+            head.append(next(rows))
+        except StopIteration:
+            break
+        except DataError as err:  # the reader is done: raise it after the rows before it
+            error = err
+            break
+    kinds = tuple(row_kind(row.data) for row in head)
+    for row in head:
+        row.first_kinds = kinds
+        yield row
+    if error is not None:
+        raise error
+    for row in rows:
+        row.first_kinds = kinds
+        yield row
+
+
 def _refuse_other_kind(row: Row, field: str, wanted: str) -> None:
     """When column ``field`` of ``wanted`` rows is missing and the row looks like another kind of
-    dataset: a DataError saying which, what reads it, and what this command reads."""
+    dataset, and so do the first rows of its file (none of them is of the ``wanted`` kind): a DataError
+    saying which, what reads it, and what this command reads. One bad row of a good file is just
+    missing ``field``."""
     found = row_kind(row.data)
     if field in row.data or found in (None, wanted):
+        return
+    if row.first_kinds is not None and wanted in row.first_kinds:
         return
     rows, readers = KINDS[found]
     reads = _READ_BY_RM if wanted == "ranking" else KINDS[wanted][0]  # only rm reads rankings, and pairs too

@@ -206,6 +206,8 @@ def _returned(result) -> tuple[str, object]:
         return "ok", list(result)
     if isinstance(result, torch.Tensor | np.ndarray) and result.ndim == 1:
         return "ok", result.tolist()
+    if result is None:
+        return "bad", "None instead of a list"
     return "bad", f"a {type(result).__name__} ({repr(result)[:200]})"
 
 
@@ -389,7 +391,9 @@ class RewardComposer:
         )
         if status == "bad":
             raise RewardError(
-                f"reward function {tracked.name!r} returned {payload}; it must return a list of {B} floats or None"
+                f"reward function {tracked.name!r} returned {payload}; it must return a list of {B} values, one per "
+                "completion: a float, or None for a completion it does not score (None is allowed per sample, inside "
+                "the list, not in place of the list)"
             )
         if status == "ok":
             values = payload

@@ -67,8 +67,12 @@ RESUMABLE_CHANGES = frozenset(
 )
 
 
-class IncompleteCheckpointError(RuntimeError):
-    pass
+class IncompleteCheckpointError(UserError, RuntimeError):
+    """A checkpoint folder without its trainer_state.json: a save was interrupted."""
+
+
+class CheckpointNotFoundError(UserError, FileNotFoundError):
+    """``run.resume_from`` names no folder."""
 
 
 class DiskFullError(UserError, OSError):
@@ -103,7 +107,7 @@ def check_resumable(path: Path, config: dict, total_steps: int) -> list[str]:
     length under a decaying learning-rate schedule changes the rate of every step still to come."""
     state = json.loads((path / STATE_FILE).read_text())
     if state["step"] >= total_steps:
-        raise ValueError(
+        raise UserError(
             f"run.resume_from: {path} is at step {state['step']}, at or past this run's {total_steps} steps; "
             "raise run.max_steps to train further"
         )
@@ -125,7 +129,7 @@ def check_resumable(path: Path, config: dict, total_steps: int) -> list[str]:
     keys = (saved.keys() | now.keys()) - RESUMABLE_CHANGES
     differing = sorted(k for k in keys if saved.get(k) != now.get(k))
     changes = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in differing)
-    raise ValueError(
+    raise UserError(
         f"run.resume_from: {path} was written with a different config ({changes}). A resume may change only "
         f"{', '.join(sorted(RESUMABLE_CHANGES))}; start a new run (another run.output_dir) to change the rest"
     )
@@ -204,7 +208,7 @@ def resolve_resume(output_dir: str | Path, resume_from: str | None, say=print) -
         return None
     path = Path(resume_from)
     if not path.is_dir():
-        raise FileNotFoundError(f"run.resume_from: no checkpoint folder at {path}")
+        raise CheckpointNotFoundError(f"run.resume_from: no checkpoint folder at {path}")
     if not (path / STATE_FILE).is_file():
         raise IncompleteCheckpointError(
             f"run.resume_from: {path} has no {STATE_FILE}: it is a partial checkpoint (a save was interrupted)"

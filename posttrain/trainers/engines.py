@@ -63,6 +63,7 @@ from dataclasses import replace
 
 import torch
 
+from posttrain.errors import UserError
 from posttrain.models import ModelConfig, Reference, load_causal_lm, load_policy
 from posttrain.models.roles import is_peft_model
 from posttrain.trainers.config import RunConfig
@@ -83,16 +84,22 @@ def _fsdp_plugin():
     ``FSDP_*``); FSDP1 is refused."""
     from accelerate.utils import FullyShardedDataParallelPlugin, str_to_bool
 
+    if not any(key.startswith("FSDP_") for key in os.environ):  # accelerate launch sets them from its config
+        raise UserError(
+            "ACCELERATE_USE_FSDP=true without an accelerate FSDP config (none of the FSDP_* settings `accelerate "
+            "launch` sets from it): launch with `accelerate launch --config_file examples/accelerate/fsdp2.yaml -m "
+            "posttrain.cli ...`, or unset ACCELERATE_USE_FSDP to train without FSDP"
+        )
     if str_to_bool(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")):
         # transformers then loads real weights on local rank 0 only: the models posttrain uses before
         # prepare (the shared-prefix probe, DPO's precomputed reference, the reference copy) would differ
-        raise ValueError(
+        raise UserError(
             "fsdp_cpu_ram_efficient_loading: true loads the weights on one process only, but posttrain runs its "
             "models before sharding them (shared-prefix probe, reference copy): set it to false"
         )
     version = os.environ.get("FSDP_VERSION", "1")  # accelerate's default is FSDP1
     if version != "2":  # checked before the plugin is built: FSDP1's plugin needs an accelerator device
-        raise ValueError(
+        raise UserError(
             f"FSDP version {version} requested: posttrain supports FSDP2 (torch fully_shard) only; "
             "set fsdp_version: 2 in the accelerate config (examples/accelerate/fsdp2.yaml)"
         )
@@ -167,7 +174,7 @@ def build_accelerator(run: RunConfig):
         if torch.cuda.is_available():  # accelerate's own path
             return Accelerator(**common, fsdp_plugin=plugin)
         if int(os.environ.get("LOCAL_RANK", -1)) == -1:
-            raise RuntimeError(
+            raise UserError(
                 "FSDP (ACCELERATE_USE_FSDP=true) needs a launcher: `accelerate launch --config_file "
                 "examples/accelerate/fsdp2.yaml -m posttrain.cli ...` or torchrun"
             )
@@ -188,7 +195,7 @@ def build_accelerator(run: RunConfig):
         return Accelerator(**common)
     if deepspeed_requested():
         if int(os.environ.get("LOCAL_RANK", -1)) == -1:
-            raise RuntimeError(
+            raise UserError(
                 "DeepSpeed (ACCELERATE_USE_DEEPSPEED=true) needs a launcher: `accelerate launch --config_file "
                 "examples/accelerate/zero2.yaml -m posttrain.cli ...` or torchrun"
             )
@@ -263,7 +270,7 @@ def configure(accelerator, micro_batch_size: int, accumulation: int, max_grad_no
         # accelerate writes gradient_accumulation_steps=1 when the config leaves it out: 1 means unset
         unset = given == "auto" or (key == "gradient_accumulation_steps" and given == 1)
         if not unset and float(given) != float(value):
-            raise ValueError(
+            raise UserError(
                 f"the DeepSpeed config sets {key}={given}, but posttrain needs {value} here ({decided_by[key]}): "
                 f"leave {key} out of the accelerate/DeepSpeed config, posttrain sets it"
             )
@@ -391,7 +398,7 @@ def prepare_frozen(accelerator, model: torch.nn.Module, device: str | None = Non
     """
     if is_fsdp(accelerator):
         if device is not None:
-            raise ValueError(
+            raise UserError(
                 f"a frozen role placed on {device!r}: under FSDP2 the frozen roles are sharded over the processes "
                 "instead; leave reference_device / reward_device unset (fsdp_offload_params offloads the shards)"
             )
@@ -403,7 +410,7 @@ def prepare_frozen(accelerator, model: torch.nn.Module, device: str | None = Non
     if zero_stage(accelerator) != 3:
         return model.to(device or accelerator.device)
     if device is not None:
-        raise ValueError(
+        raise UserError(
             f"a frozen role placed on {device!r}: under DeepSpeed ZeRO-3 the frozen roles are sharded over the "
             "processes instead; leave reference_device / reward_device unset (offload_param_device in the "
             "DeepSpeed config offloads the shards)"

