@@ -165,3 +165,29 @@ def test_unpaired_preference_rows_are_rejected_naming_kto(tokenizer):
     for loader in (load_sft, load_preferences, load_rankings, load_prompts):
         with pytest.raises(DataError, match="field 'label': an unpaired preference row .* KTO"):
             loader(DataConfig(path="kto"), tokenizer, [row])
+
+
+def test_data_columns_read_the_shipped_gsm8k_sample_as_sft_rows(tokenizer):
+    """New-user trial (issue 23): GSM8K's {question, answer} rows could not be read by `posttrain sft` without
+    converting them in Python; data.columns names the columns the fields come from."""
+    from pathlib import Path
+
+    import posttrain
+    from posttrain.data import DataConfig, DataError, load_sft
+
+    sample = Path(posttrain.__file__).parent / "data" / "samples" / "gsm8k" / "train.jsonl.gz"
+    with pytest.raises(DataError):
+        load_sft(DataConfig(path=str(sample), limit=2, chat_template="never", max_length=None), tokenizer)
+    config = DataConfig(
+        path=str(sample),
+        limit=2,
+        chat_template="never",
+        max_length=None,
+        columns={"prompt": "question", "completion": "answer"},
+    )
+    examples, report = load_sft(config, tokenizer)
+    assert report.kept == 2
+    text = tokenizer.decode(examples[0].prompt_ids + examples[0].completion_ids)
+    assert "Natalia sold clips" in text and text.endswith("#### 72<eos>")
+    with pytest.raises(ValueError, match="data.columns must map"):
+        DataConfig(path="x", columns={"prompt": 3}).validate()

@@ -20,12 +20,14 @@ from posttrain.data.datasets import (
     load_rankings,
     load_sft,
     pack_sft,
+    rendered,
 )
 from posttrain.data.encode import Encoder
 from posttrain.data.real import gsm8k_final_answer, load_gsm8k, load_hh_rlhf
 from posttrain.data.rows import DataError, NoUsableRows, read_rows
 
 __all__ = [
+    "rendered",
     "DataConfig",
     "DataError",
     "DataReport",

@@ -7,7 +7,7 @@ print(report.summary())   # rows read, kept, truncated, dropped and skipped, by 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -57,6 +57,9 @@ class DataConfig:
     """Read at most this many rows (None = all)."""
     eval_fraction: float = 0.0
     """Share of the examples held out for evaluation (the last ones, after a seeded shuffle)."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Fields read from other columns, {field: column}: GSM8K's {question, answer} rows are SFT rows with
+    data.columns='{prompt: question, completion: answer}'. Unnamed columns pass as they are."""
 
     def validate(self, name: str = "data") -> None:
         if not self.path:
@@ -75,6 +78,23 @@ class DataConfig:
                 raise ValueError(f"{name}.{key} must be >= 1 or null, got {value}")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"{name}.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if not isinstance(self.columns, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.columns.items()
+        ):
+            raise ValueError(f"{name}.columns must map field names to column names, e.g. {{prompt: question}}")
+
+    def renamed(self, row: dict) -> dict:
+        """``row`` with each field of ``columns`` taken from its column (the column then leaves the row)."""
+        if not self.columns:
+            return row
+        out = dict(row)
+        for target, source in self.columns.items():
+            if source in row:
+                out.pop(source)
+        for target, source in self.columns.items():
+            if source in row:
+                out[target] = row[source]
+        return out
 
     def encoder(self, tokenizer) -> Encoder:
         return Encoder(tokenizer, self.chat_template, self.max_length, self.max_prompt_length, self.overlong)
@@ -137,6 +157,20 @@ class PromptExample:
     columns: dict[str, Any]  # passed to reward functions (e.g. "answer")
 
 
+def rendered(tokenizer, example) -> str:
+    """The first tokens of a run as the model reads them, special tokens kept: an example's prompt and
+    (SFT) completion, (DPO, RM) chosen or best response, printed once at start so that a template's
+    default system prompt or a missing end-of-turn token is seen, not guessed."""
+    ids = list(example.prompt_ids)
+    if isinstance(example, SFTExample):
+        ids += example.completion_ids
+    elif isinstance(example, PreferenceExample):
+        ids += example.chosen_ids
+    elif isinstance(example, RankingExample):
+        ids += example.response_ids[0]
+    return repr(tokenizer.decode(ids, skip_special_tokens=False))
+
+
 def _build(config: DataConfig, tokenizer, source, make, example_type) -> tuple[list, DataReport]:
     """Apply ``make(row, encoder) -> (example | None, truncated, reason)`` to every row, counting what happens.
 
@@ -157,6 +191,8 @@ def _build_from_rows(config: DataConfig, encoder: Encoder, source, make) -> tupl
     report, examples = DataReport(), []
     unreadable: list[str] | None = None if config.on_malformed == "error" else []
     rows = read_rows(config.path if source is None else source, unreadable)
+    if config.columns:
+        rows = (replace(row, data=config.renamed(row.data)) for row in rows)
     # the first rows (never more than limit: read ahead, they would count as read) tell the file's kind
     for row in with_first_kinds(rows, FIRST_ROWS if config.limit is None else min(FIRST_ROWS, config.limit)):
         if config.limit is not None and report.rows >= config.limit:
@@ -186,6 +222,8 @@ def _build_with_datasets(config: DataConfig, encoder: Encoder, make, example_typ
     dataset = open_dataset(config.path, config.name, config.split, config.revision)
     if config.limit is not None:
         dataset = dataset.select(range(min(config.limit, len(dataset))))
+    if config.columns:
+        dataset = dataset.map(config.renamed, remove_columns=list(config.columns.values()))
     label = f"{config.path}[{config.split}]"
     examples, outcomes, cached = tokenize_with_cache(dataset, label, make, encoder, config.on_malformed, example_type)
     report = DataReport(rows=len(outcomes), cached=cached)
@@ -204,9 +242,9 @@ def first_row(config: DataConfig) -> dict | None:
     """The first readable row of ``config.path`` (None when there is none), to tell data types apart."""
     if is_datasets_source(config.path):
         dataset = open_dataset(config.path, config.name, config.split, config.revision)
-        return dataset[0] if len(dataset) else None
+        return config.renamed(dataset[0]) if len(dataset) else None
     row = next(iter(read_rows(config.path, skipped=[])), None)
-    return None if row is None else row.data
+    return None if row is None else config.renamed(row.data)
 
 
 def _dropped_reason(encoder: Encoder) -> str:

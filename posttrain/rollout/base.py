@@ -66,6 +66,7 @@ class Rollout:
     responses: list[str]  # [B] decoded response texts (special tokens removed)
     group_size: int = 1  # G
     temperature: float = 1.0  # τ the log-probs were taken at
+    columns: dict[str, list] = field(default_factory=dict)  # the prompt rows' other columns ("answer"), [B] each
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -104,7 +105,15 @@ class Rollout:
             responses=[self.responses[i] for i in rows],
             group_size=self.group_size,
             temperature=self.temperature,
+            columns={k: [v[i] for i in rows] for k, v in self.columns.items()},
         )
+
+    def texts(self, tokenizer, row: int) -> tuple[str, str]:
+        """(prompt, response) of ``row`` as the model read and wrote them: special tokens kept (the chat
+        template, ``<|im_end|>``), padding left out."""
+        prompt = self.prompt_ids[row][self.prompt_mask[row].bool()]
+        response = self.response_ids[row][self.response_mask[row].bool()]
+        return tokenizer.decode(prompt), tokenizer.decode(response)
 
 
 def build_rollout(
@@ -159,6 +168,7 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         offsets.append(total)
         total += int(r.prompt_index.max()) + 1 if len(r) else 0
     has_logprobs = all(r.logprobs is not None for r in rollouts)
+    keys = sorted({k for r in rollouts for k in r.columns})
     return Rollout(
         prompt_ids=torch.cat([pad(r.prompt_ids, P, pad_id, True) for r in rollouts]),
         prompt_mask=torch.cat([pad(r.prompt_mask, P, 0, True) for r in rollouts]),
@@ -171,6 +181,7 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         responses=[x for r in rollouts for x in r.responses],
         group_size=rollouts[0].group_size,
         temperature=rollouts[0].temperature,
+        columns={k: [x for r in rollouts for x in r.columns.get(k, [None] * len(r))] for k in keys},
     )
 
 
