@@ -183,7 +183,7 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
         callbacks=(_progress("grpo", steps["grpo"]),),
     )
     grpo_dir = str(out_path / "grpo" / "final" / "policy")
-    rewards = [r["reward/mean"] for r in read_metrics(out_path / "grpo")]
+    rewards = [r["reward/mean"] for r in read_metrics(out_path / "grpo") if "reward/mean" in r]  # not step 0's eval
     results["grpo"] = {
         "sampled": accuracy(grpo_dir, held_out, 1.0, seed=seed),
         "greedy": accuracy(grpo_dir, held_out, 0),

@@ -293,10 +293,10 @@ def healthy_grpo(noisy_sft, tmp_path_factory):
 def test_grpo_evaluates_held_out_prompts_every_eval_every_steps_and_at_the_end(healthy_grpo, noisy_sft):
     records = read_metrics(healthy_grpo)
     evaluated = [r["step"] for r in records if "eval/greedy/accuracy" in r]
-    assert evaluated == [4, 8, 10]
+    assert evaluated == [0, 4, 8, 10]  # step 0: the starting model, before any update (issue 24 item 15)
     rows = [json.loads(line) for line in (healthy_grpo / "eval_samples.jsonl").read_text().splitlines()]
     held_out = round(0.2 * 300)
-    assert len(rows) == 3 * (held_out + 4 * held_out)  # 3 evaluations × (greedy + 4 samples) per prompt
+    assert len(rows) == 4 * (held_out + 4 * held_out)  # 4 evaluations × (greedy + 4 samples) per prompt
     last = [r for r in rows if r["step"] == 10]
     greedy = [r for r in last if r["mode"] == "greedy"]
     assert records[-1]["eval/greedy/accuracy"] == pytest.approx(sum(r["correct"] for r in greedy) / len(greedy))
@@ -414,7 +414,8 @@ def test_kl_coef_zero_with_high_lr_raises_kl_alert_in_ppo_with_held_out_eval(kl_
     """Alert 1 in PPO (kl_coef = 0, lr = 1e-2), and PPO's held-out evaluation from eval.path."""
     alerts, records = read_alerts(kl_ppo), read_metrics(kl_ppo)
     assert 1 in [a["id"] for a in alerts], [r["kl/per_token"] for r in records]
-    assert "eval/greedy/accuracy" in records[-1] and "eval/greedy/accuracy" not in records[0]
+    assert "eval/greedy/accuracy" in records[-1] and "eval/greedy/accuracy" in records[0]  # step 5 and step 0
+    assert records[0]["step"] == 0 and all("eval/greedy/accuracy" not in r for r in records[1:-1])
 
 
 def test_sampling_and_training_temperature_mismatch_raises_alert_4_at_step_1(noisy_sft, tmp_path, monkeypatch):
@@ -490,8 +491,8 @@ def test_evaluation_leaves_training_unchanged(noisy_sft, tmp_path):
     evaluation = (f"eval.path={held_out}", "run.eval_every=1", "eval.n=2")
     train_grpo(_grpo(noisy_sft, tmp_path / "evaluated", *common, *evaluation))
     plain, evaluated = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "evaluated")
-    assert [r["reward/mean"] for r in plain] == [r["reward/mean"] for r in evaluated]
-    assert all("eval/sampled/pass@2" in r for r in evaluated)
+    assert [r["reward/mean"] for r in plain] == [r["reward/mean"] for r in evaluated if r["step"] > 0]
+    assert all("eval/sampled/pass@2" in r for r in evaluated) and evaluated[0]["step"] == 0
     weights = [load_file(tmp_path / run / "final" / "policy" / "model.safetensors") for run in ("plain", "evaluated")]
     assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
 
@@ -545,8 +546,8 @@ def test_reward_hacking_raises_rise_then_collapse_alert(noisy_sft, tmp_path):
     )
     train_grpo(config)
     records, alerts = read_metrics(tmp_path / "hacked"), read_alerts(tmp_path / "hacked")
-    accuracy = [r["eval/greedy/accuracy"] for r in records]
-    rewards = [r["reward/mean"] for r in records]
+    accuracy = [r["eval/greedy/accuracy"] for r in records]  # step 0's too
+    rewards = [r["reward/mean"] for r in records if r["step"] > 0]
     assert accuracy[-1] < max(accuracy) - 0.1 and rewards[-1] > rewards[0]  # the run did what the alert says
     assert 7 in [a["id"] for a in alerts], (accuracy, rewards)
 

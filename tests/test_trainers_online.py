@@ -344,9 +344,11 @@ def test_ppo_held_out_evaluation_scores_with_the_reward_model_by_default(tiny_di
         "eval.max_prompts=4",
     )
     train_ppo(config)
-    (record,) = [r for r in read_metrics(config.run.output_dir) if "eval/greedy/score" in r]
-    assert math.isfinite(record["eval/greedy/reward/reward_model"])
-    assert record["eval/greedy/score"] == record["eval/greedy/reward/reward_model"]
+    records = [r for r in read_metrics(config.run.output_dir) if "eval/greedy/score" in r]
+    assert [r["step"] for r in records] == [0, 1]  # the starting model, and the end
+    for record in records:
+        assert math.isfinite(record["eval/greedy/reward/reward_model"])
+        assert record["eval/greedy/score"] == record["eval/greedy/reward/reward_model"]
 
 
 def _tail(records, key, n=5):

@@ -1,4 +1,5 @@
-"""Health alerts: rules over the metrics a PPO/GRPO run logs, evaluated after every step.
+"""Health alerts: rules over the metrics a PPO/GRPO run logs, evaluated after every step (and two over
+an SFT run's, ``SFT_RULES``: a zero gradient, a loss stuck at ln V).
 
 Each rule reads the history of logged records (``History``: what the rules need of them, in memory
 bounded by the window) and returns what it saw, or None.
@@ -53,7 +54,7 @@ class AlertConfig:
     length_corr: float = 0.5
     """6: ...and its correlation with the training reward across the window's steps is at least this."""
     eval_drop: float = 0.05
-    """7: held-out score this far below its best while the training reward is above its value then."""
+    """7: held-out score this far below its best (step 0 included) while the training reward is above its value then."""
     entropy_collapse: float = 0.1
     """8: mean entropy over the window below this share of the first window's."""
     zero_variance_max: float = 0.5
@@ -123,7 +124,8 @@ def pearson(x: list[float], y: list[float]) -> float:
 @dataclass
 class _EvalTrack:
     """One held-out score over the run: its best (the first of equal bests) and its latest value, each
-    with the finite training rewards of the records from window/2 before it up to it."""
+    with the finite training rewards of the records from window/2 before it up to it (for a best logged
+    before any, step 0's evaluation of the starting model: the first training reward logged after it)."""
 
     best: float
     best_step: int
@@ -170,6 +172,10 @@ class History:
         if record.get("response_length/mean") is not None and reward is not None:
             self.length_reward.append((record["response_length/mean"], reward))
         self.rewards_near.append(reward)
+        if reward is not None:
+            for track in self.evals.values():
+                if not track.then:  # a best logged before any training reward (step 0, the starting model):
+                    track.then = [reward]  # the first one is that model's (step 1 samples from it)
         for key in EVAL_KEYS:
             score = _finite(record.get(key))
             if score is None:
@@ -428,12 +434,68 @@ RULES = (
 )
 
 
+# --------------------------------------------------------------------------------------------------
+# SFT: the two signs of a run that learns nothing (issue 24 item 18)
+# --------------------------------------------------------------------------------------------------
+
+ZERO_GRAD_NORM = 1e-8
+"""12: a gradient norm at or below this, with a loss above ``ZERO_GRAD_LOSS``, is no gradient."""
+ZERO_GRAD_LOSS = 1e-3
+UNIFORM_STEPS = 3
+"""13: this many logged losses in a row at ln V, not moving: the model predicts the uniform distribution."""
+UNIFORM_TOL = 1e-3
+"""13: |loss − ln V| at most this (nats), and the losses within this of each other."""
+
+
+def _zero_gradient(h: History, cfg, ctx):
+    norm, loss = _finite(h.last.get("grad_norm")), _finite(h.last.get("loss"))
+    if norm is None or loss is None or norm > ZERO_GRAD_NORM or loss <= ZERO_GRAD_LOSS:
+        return None
+    return f"the gradient norm is {norm:.3g} while the loss is {loss:.4g}: the update moves nothing"
+
+
+def _uniform_output(h: History, cfg, ctx):
+    log_vocab = ctx.get("log_vocab")
+    losses = h.tail("loss")[-UNIFORM_STEPS:]
+    if log_vocab is None or len(losses) < UNIFORM_STEPS:
+        return None
+    if max(abs(v - log_vocab) for v in losses) > UNIFORM_TOL or max(losses) - min(losses) > UNIFORM_TOL:
+        return None
+    return (
+        f"the loss has stayed at {losses[-1]:.4f} = ln V (V = {round(math.exp(log_vocab))} tokens) for "
+        f"{UNIFORM_STEPS} steps: the model predicts every token with probability 1/V"
+    )
+
+
+SFT_RULES = (
+    Rule(
+        12,
+        "zero_gradient",
+        _zero_gradient,
+        "the model collapsed (a learning rate far too high saturated it: every logit equal, or activations "
+        "dead), or nothing in the batch is trained (every label masked, every parameter frozen).",
+        "lower optim.lr (and keep optim.max_grad_norm), restart from the last checkpoint before the collapse, and "
+        "check that the completions are not all cut or masked.",
+    ),
+    Rule(
+        13,
+        "uniform_output",
+        _uniform_output,
+        "the model collapsed to the uniform distribution (loss = ln V): a learning rate far too high, or a "
+        "diverged update that the non-finite guard could not see.",
+        "lower optim.lr, add warm-up (optim.warmup_steps) and gradient clipping, and restart from the last good "
+        "checkpoint; this model's final/ has learned nothing.",
+    ),
+)
+
+
 class HealthMonitor:
     """Runs the rules after every logged step; ``check`` returns the alerts raised at that step.
 
     reward / reward_std: the keys of the training reward and its batch std (GRPO ``reward/*``; PPO
     ``score/*``, since PPO's ``reward/mean`` includes the KL penalty). forced_length: every response
     is cut at max_new_tokens by design (min_new_tokens = max_new_tokens), so truncation is no signal.
+    rules: the rules to run (``RULES``; SFT runs ``SFT_RULES``); context: what else they read (SFT: log_vocab).
     """
 
     def __init__(
@@ -444,11 +506,14 @@ class HealthMonitor:
         reward_std: str,
         forced_length: bool = False,
         echo: Callable[[str], None] = print,
+        rules: tuple[Rule, ...] = RULES,
+        context: dict | None = None,
     ):
         self.config = config
         self.path = None if output_dir is None else Path(output_dir) / "alerts.jsonl"
-        self.context = {"reward": reward, "reward_std": reward_std, "forced_length": forced_length}
+        self.context = {"reward": reward, "reward_std": reward_std, "forced_length": forced_length, **(context or {})}
         self.echo = echo
+        self.rules = rules
         self.history = History(config.window, reward, reward_std)
         self.active: set[int] = set()
         self.raised = 0
@@ -459,7 +524,7 @@ class HealthMonitor:
             return []
         self.history.add({"step": step, **metrics})
         alerts = []
-        for rule in RULES:
+        for rule in self.rules:
             seen = rule.check(self.history, self.config, self.context)
             if seen is None:
                 self.active.discard(rule.id)

@@ -8,15 +8,16 @@ Two passes, each optional:
   - sampled: ``n`` completions per prompt at ``temperature`` → the same means, and pass@k for each k,
     with the unbiased estimator of Chen et al. 2021 (``pass_at_k``).
 
-PPO and GRPO call ``Evaluator.evaluate`` every ``run.eval_every`` steps and at the end (metrics
-``eval/greedy/*``, ``eval/sampled/*``; rows in ``eval_samples.jsonl``); ``posttrain eval`` runs it on
-any checkpoint (``evaluate_checkpoint``).
+PPO and GRPO call ``Evaluator.evaluate`` at step 0 (the starting model, ``eval.at_start``), every
+``run.eval_every`` steps and at the end (metrics ``eval/greedy/*``, ``eval/sampled/*``; rows in
+``eval_samples.jsonl``); ``posttrain eval`` runs it on any checkpoint (``evaluate_checkpoint``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import torch
 
 from posttrain.data import DataConfig, PromptExample, check_columns, load_prompts
 from posttrain.models import ModelConfig, load_policy, load_tokenizer
-from posttrain.rewards import RewardComposer, RewardSpec, reward_columns
+from posttrain.rewards import RewardComposer, RewardSpec, reward_columns, unpad
 from posttrain.rollout import HFEngine, SamplingParams
 
 
@@ -69,6 +70,9 @@ class EvalConfig:
     """Prompts per generate call."""
     seed: int = 0
     """Seed of the sampled pass: the same samples for the same weights, and the training RNG untouched."""
+    at_start: bool = True
+    """Evaluate the starting model too, at step 0 before any update (the baseline the report plots and
+    alert 7 compares with)."""
 
     def validate(self, name: str = "eval") -> None:
         if self.n < 0:
@@ -94,6 +98,15 @@ class EvalConfig:
         return sorted(set(self.k or ([1, self.n] if self.n else [])))
 
 
+class EvaluationError(RuntimeError):
+    """Held-out evaluation failed (a reward function raised or returned something unusable); ``details``
+    holds the traceback. A trainer reports it and keeps training: evaluation must never lose a run."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
+
+
 class Evaluator:
     """Evaluates a policy (through a rollout engine) on fixed held-out prompts."""
 
@@ -112,6 +125,8 @@ class Evaluator:
         self.sampling = replace(sampling, max_new_tokens=config.max_new_tokens or sampling.max_new_tokens)
         self.output_dir = None if output_dir is None else Path(output_dir)
         self.accelerator = accelerator
+        self.failure: Exception | None = None
+        self.failure_details = ""
 
     @classmethod
     def for_training(cls, config, eval_prompts: list[PromptExample], tokenizer, accelerator) -> Evaluator | None:
@@ -131,16 +146,23 @@ class Evaluator:
             check_columns(eval_prompts, reward_columns(specs), config.eval.path)
         if not eval_prompts:
             return None
-        rewards = RewardComposer.from_specs(specs)
+        # the policy tokenizer, as in training; no unscored-steps stop (an evaluation reports NaN scores)
+        rewards = RewardComposer.from_specs(specs, tokenizer, max_unscored_steps=None)
         return cls(config.eval, eval_prompts, rewards, config.sampling, config.run.output_dir, accelerator)
 
     def due(self, step: int, total_steps: int, every: int | None) -> bool:
-        """Every ``every`` steps and at the last one."""
+        """At step 0 (before any update) when ``at_start``, every ``every`` steps and at the last one."""
+        if step == 0:
+            return self.config.at_start
         return step == total_steps or bool(every and step % every == 0)
 
     def evaluate(self, engine, step: int) -> dict[str, float]:
-        """``eval/...`` metrics of the policy behind ``engine``; every process returns the same numbers."""
-        cfg, records = self.config, []
+        """``eval/...`` metrics of the policy behind ``engine``; every process returns the same numbers.
+
+        A reward function that fails (raises, or returns what the composer refuses) raises
+        ``EvaluationError`` on every process, after every process has made all its generate calls (with
+        a sharded policy they are collective): a trainer reports it and goes on training."""
+        cfg, records, self.failure = self.config, [], None
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):  # the training RNG continues as if no evaluation ran
             if cfg.greedy:
@@ -149,9 +171,25 @@ class Evaluator:
                 torch.manual_seed(cfg.seed)
                 params = replace(self.sampling, temperature=cfg.temperature)
                 records += self._generate(engine, params, cfg.n, "sampled", step)
+        self._raise_failure(step)
         records = self._gather(records)
         self._write(records)
         return summarize(records, cfg.ks)
+
+    def _raise_failure(self, step: int) -> None:
+        """``EvaluationError`` on every process when scoring failed on any (a collective under
+        data parallelism: no process is left waiting in the gather)."""
+        failed = self.failure is not None
+        if self.accelerator is not None and self.accelerator.num_processes > 1:
+            flag = torch.tensor([float(failed)], device=self.accelerator.device)
+            failed = bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+        if not failed:
+            return
+        error = self.failure
+        what = "a reward function failed on another process"
+        if error is not None:
+            what = f"{type(error).__name__}: {error}"
+        raise EvaluationError(f"held-out evaluation at step {step} failed: {what}", details=self.failure_details)
 
     def _generate(self, engine, params: SamplingParams, n: int, mode: str, step: int) -> list[dict]:
         rank, world = (
@@ -170,9 +208,23 @@ class Evaluator:
                 continue
             prompts = [self.prompts[i] for i in chunk]
             rollout = engine.generate([p.prompt_ids for p in prompts], params, n=n)
+            if self.failure is not None:  # generate on, in step with the other processes; score no more
+                continue
             keys = sorted({k for p in prompts for k in p.columns})
             columns = {k: [p.columns.get(k) for p in prompts for _ in range(n)] for k in keys}
-            out = self.rewards(rollout.prompts, rollout.responses, columns)
+            # the arguments training gives (grpo._score, ppo.scores): a reward model reads the rollout's
+            # tokens, EOS included, not the decoded text re-tokenised (issue 24, items 1 and 2)
+            try:
+                out = self.rewards(
+                    rollout.prompts,
+                    rollout.responses,
+                    columns,
+                    unpad(rollout.prompt_ids, rollout.prompt_mask),
+                    unpad(rollout.response_ids, rollout.response_mask),
+                )
+            except Exception as err:  # the composer's RewardError, a bad value, a function's own bug
+                self.failure, self.failure_details = err, traceback.format_exc()
+                continue
             for row in range(len(rollout)):
                 score = float(out.total[row])
                 records.append(
@@ -270,13 +322,20 @@ def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
     to ``output_dir`` when set)."""
     config.validate()
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+    from posttrain.trainers.template_mode import warn_template_mismatch
+
+    warn_template_mismatch(
+        config.model.path, config.data.chat_template, tokenizer, lambda m: print(f"[eval] warning: {m}")
+    )
     prompts, _ = load_prompts(config.data, tokenizer)
     check_columns(prompts, reward_columns(config.rewards), config.data.path)  # before the model loads
     model = load_policy(config.model)
-    evaluator = Evaluator(
-        config.eval, prompts, RewardComposer.from_specs(config.rewards), config.sampling, config.output_dir
-    )
-    metrics = evaluator.evaluate(HFEngine(model, tokenizer), step=0)
+    rewards = RewardComposer.from_specs(config.rewards, tokenizer, max_unscored_steps=None)
+    evaluator = Evaluator(config.eval, prompts, rewards, config.sampling, config.output_dir)
+    try:
+        metrics = evaluator.evaluate(HFEngine(model, tokenizer), step=0)
+    except EvaluationError:
+        raise evaluator.failure from None  # no training to keep here: the reward function's own error
     metrics["eval/prompts"] = len(evaluator.prompts)
     if config.output_dir:
         (Path(config.output_dir) / "eval_summary.json").write_text(json.dumps(metrics, indent=2))

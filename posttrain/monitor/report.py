@@ -217,11 +217,14 @@ def _summary(run: Run) -> str:
     parts = [
         ("folder", str(run.path)),
         ("model", cfg.get("model", {}).get("path", "?")),
-        ("steps logged", str(len(run.records))),
+        ("steps logged", str(sum(r.get("step", 0) > 0 for r in run.records))),  # step 0: the starting model's eval
         ("lr", str(cfg.get("optim", {}).get("lr", "?"))),
     ]
     if "kl_coef" in cfg:
         parts.append(("kl_coef", str(cfg["kl_coef"])))
+    start = run.records[0] if run.records and run.records[0].get("step") == 0 else {}
+    if start.get("eval/greedy/accuracy") is not None:  # the held-out baseline, before any update
+        parts.append(("eval/greedy/accuracy at step 0", f"{start['eval/greedy/accuracy']:.4g}"))
     parts += [(k, f"{last[k]:.4g}") for k in ("reward/mean", "score/mean", "eval/greedy/accuracy") if k in last]
     parts.append(("alerts", str(len(run.alerts))))
     return " · ".join(f"<b>{html.escape(k)}</b> {html.escape(v)}" for k, v in parts)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from posttrain.data import PromptExample
 from posttrain.monitor.alerts import HealthMonitor, read_alerts
-from posttrain.monitor.evaluate import Evaluator
+from posttrain.monitor.evaluate import EvaluationError, Evaluator
 from posttrain.monitor.records import read_records
 
 
@@ -22,6 +23,7 @@ class RunMonitor:
         if config.eval.path and config.data.eval_fraction > 0:
             raise ValueError("set eval.path or data.eval_fraction, not both (both name the held-out prompts)")
         self.every = config.run.eval_every
+        self.accelerator, self.output_dir = accelerator, config.run.output_dir
         self.evaluator = Evaluator.for_training(config, eval_prompts, tokenizer, accelerator)
         self.health = None
         if accelerator.is_main_process:
@@ -42,11 +44,25 @@ class RunMonitor:
         checkpoint's step)."""
         if self.health is None or not self.health.config.enabled:
             return
-        from pathlib import Path
-
         path = Path(output_dir) / "metrics.jsonl"
         records = read_records(path) if path.is_file() else []
         self.health.restore([r for r in records if "step" in r], len(read_alerts(output_dir)))
+
+    def report_failure(self, err: EvaluationError) -> None:
+        """One line on the console (the traceback appended to ``eval_errors.log`` in the run folder)."""
+        if not self.accelerator.is_main_process:
+            return
+        from tqdm.auto import tqdm
+
+        where = ""
+        if self.output_dir is not None:
+            path = Path(self.output_dir) / "eval_errors.log"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(f"{err}\n{err.details}\n")
+            where = f" (traceback in {path})"
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        tqdm.write(f"[eval] warning: {first}; training goes on, eval/failed=1 in this step's record{where}")
 
     @property
     def bar_keys(self) -> tuple[str, ...]:
@@ -67,7 +83,11 @@ class RunMonitor:
         out: dict[str, float] = {}
         if self.evaluating(step, total_steps):
             start = time.perf_counter()
-            out.update(self.evaluator.evaluate(engine, step))
+            try:
+                out.update(self.evaluator.evaluate(engine, step))
+            except EvaluationError as err:  # never lose a run to its evaluation: report it, train on, save
+                self.report_failure(err)
+                out["eval/failed"] = 1.0
             out["time/eval"] = time.perf_counter() - start
         if self.health is not None:
             self.health.check(step, {**metrics, **out})
