@@ -102,7 +102,7 @@ def test_fsdp2_is_really_on_and_shards_every_role(fsdp_run):
     unshards once (one all-gather per FSDP unit, none per token, though the processes generate 2 and 9
     tokens) and leaves the policy sharded; the gradient norm is a number the guard reads."""
     root, two, resume, checks, stdout = fsdp_run
-    runs = len(two) + 2 * len(resume) + 2  # + the checks' own accelerator and their LoRA + vLLM trainer
+    runs = len(two) + 2 * len(resume) + 1  # + the checks' own accelerator (their LoRA + vLLM trainer stops at start)
     assert stdout.count("[engine] FSDP2 on CPU over gloo") == runs
     assert checks["engine"] == "FSDP2, 2 process(es) on cpu"
     assert stdout.count("training engine: FSDP2, 2 process(es) on cpu") >= 5  # the online trainers print it
