@@ -287,6 +287,9 @@ def save_checkpoint(accelerator, output_dir, step: int, models: dict, tokenizer,
             if accelerator.is_main_process:
                 accelerator.unwrap_model(model).save_pretrained(tmp / "hf" / role, state_dict=state_dicts[role])
                 tokenizer.save_pretrained(tmp / "hf" / role)
+                from posttrain.trainers.template_mode import record_template_mode
+
+                record_template_mode(output_dir, tmp / "hf" / role, tokenizer)  # data.chat_template, for later stages
         if accelerator.is_main_process:
             config = yaml.safe_load((Path(output_dir) / CONFIG_FILE).read_text())
             shutil.copyfile(Path(output_dir) / CONFIG_FILE, tmp / CONFIG_FILE)

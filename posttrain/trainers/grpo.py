@@ -172,7 +172,7 @@ class GRPOConfig:
     gradient checkpointing, each prompt once with its samples run as continuations of its KV cache;
     true: always packed rows; false: never."""
     eval: EvalConfig = field(default_factory=EvalConfig)
-    """Held-out evaluation (eval.path or data.eval_fraction) every run.eval_every steps and at the end."""
+    """Held-out evaluation (eval.path or data.eval_fraction) at step 0, every run.eval_every steps and at the end."""
     alerts: AlertConfig = field(default_factory=AlertConfig)
     """Health alerts over the logged metrics: thresholds (console, progress bar, alerts.jsonl)."""
 

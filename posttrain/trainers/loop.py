@@ -227,6 +227,9 @@ def run_offline(
     accelerator.register_for_checkpointing(scheduler)
     saved = {role: (model if m is trainable.model else m) for role, m in trainable.saved.items()}
     state, logger = start_run(accelerator, config, total_steps, Path(run.output_dir).name)
+    from posttrain.trainers.template_mode import check_stage
+
+    check_stage(accelerator, config, tokenizer, Path(run.output_dir).name)  # a checkpoint of another template mode
     accelerator.print(f"[{Path(run.output_dir).name}] training engine: {engines.describe(accelerator)}")
     guard = NonFiniteGuard(accelerator, run, model=next(iter(trainable.saved)))
     metrics: dict[str, float] = {}
@@ -375,6 +378,9 @@ def save_final(accelerator, output_dir, models: dict, tokenizer) -> None:
                 Path(output_dir) / "final" / role, state_dict=state_dicts[role]
             )
             tokenizer.save_pretrained(Path(output_dir) / "final" / role)
+            from posttrain.trainers.template_mode import record_template_mode
+
+            record_template_mode(output_dir, Path(output_dir) / "final" / role, tokenizer)  # for later stages
     accelerator.wait_for_everyone()
 
 
@@ -463,7 +469,8 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
     elapsed = 0.0
     if accelerator.is_main_process and run.resume_from is not None:
         for name in ("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "eval_samples.jsonl"):
-            truncate_records(Path(run.output_dir) / name, 0 if state is None else state["step"])
+            # no checkpoint: nothing is kept, not even step 0's held-out evaluation (it runs again)
+            truncate_records(Path(run.output_dir) / name, -1 if state is None else state["step"])
         if state is not None and (Path(run.output_dir) / "metrics.jsonl").is_file():
             elapsed = max((r["time"] for r in read_metrics(run.output_dir) if "time" in r), default=0.0)
     accelerator.wait_for_everyone()

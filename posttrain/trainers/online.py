@@ -57,6 +57,7 @@ from posttrain.trainers.loop import (
     start_run,
 )
 from posttrain.trainers.prefix import SharedPrefix, packed_rollout_rows, prompt_cache_applies, unpack_rows
+from posttrain.trainers.template_mode import check_stage
 
 
 class OnlineTrainer:
@@ -80,6 +81,7 @@ class OnlineTrainer:
         acc = self.accelerator = build_accelerator(config.run)
         torch.manual_seed(config.run.seed)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+        check_stage(acc, config, self.tokenizer, self.name)  # a checkpoint trained with another template mode
         prompts, report = load_prompts(config.data, self.tokenizer)
         specs = config.rewards + ([] if config.eval.path else config.eval.rewards)  # eval.path: the evaluator checks
         check_columns(prompts, reward_columns(specs), config.data.path)  # every column they need, before any model
@@ -175,6 +177,8 @@ class OnlineTrainer:
         if state is not None:
             self.monitor.resume(cfg.run.output_dir)
         self.sync_weights()  # a resumed policy is not the checkpoint the engine loaded
+        if start_step == 0:
+            self.evaluate_at_start()
         metrics: dict = {}
         for step in range(start_step, self.total_steps):
             t0, timer = time.perf_counter(), PhaseTimer()
@@ -201,6 +205,16 @@ class OnlineTrainer:
             "processes": acc.num_processes,
             **self.state(),
         }
+
+    def evaluate_at_start(self) -> None:
+        """The held-out evaluation of the starting policy, logged as step 0 before any update
+        (``eval.at_start``): the baseline the report plots and alert 7 compares with."""
+        acc = self.accelerator
+        if not self.monitor.evaluating(0, self.total_steps):
+            return
+        with engines.full_parameters(acc, self.actor.model), self.engine.generating(self.policy):
+            metrics = self.monitor.after_step(self.engine, 0, self.total_steps, {})
+        self.logger.log(0, metrics, self.monitor.bar_keys)
 
     def sync_weights(self) -> None:
         """Hand the rollout engine the policy's current weights (a no-op for hf/lean, which sample from

@@ -150,7 +150,7 @@ class PPOConfig:
     """Stop after this many steps in a row in which no reward function scored any sample (0 = never;
     not checked with a reward_model, which scores every sample)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
-    """Held-out evaluation (eval.path or data.eval_fraction) every run.eval_every steps and at the end."""
+    """Held-out evaluation (eval.path or data.eval_fraction) at step 0, every run.eval_every steps and at the end."""
     alerts: AlertConfig = field(default_factory=AlertConfig)
     """Health alerts over the logged metrics: thresholds (console, progress bar, alerts.jsonl)."""
 

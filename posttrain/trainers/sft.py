@@ -91,10 +91,28 @@ def train(config: SFTConfig, callbacks=()) -> dict:
         config,
         tokenizer,
         accelerator,
-        callbacks,
+        (*callbacks, *collapse_alerts(accelerator, config, policy)),
     )
     result["data_report"] = report.summary()
     return result
+
+
+def collapse_alerts(accelerator, config: SFTConfig, policy) -> list:
+    """On the main process, a callback raising the SFT alerts (``monitor.alerts.SFT_RULES``) after every
+    step: a zero gradient norm, and a loss stuck at ln V (the model collapsed to the uniform distribution,
+    as at optim.lr=1e6). Printed above the progress bar and written to ``alerts.jsonl``; the run goes on."""
+    if not accelerator.is_main_process:
+        return []
+    from tqdm.auto import tqdm
+
+    from posttrain.monitor.alerts import SFT_RULES, AlertConfig, HealthMonitor
+
+    vocab = getattr(policy.config, "vocab_size", None)
+    context = {"log_vocab": math.log(vocab)} if vocab else {}
+    monitor = HealthMonitor(
+        AlertConfig(), config.run.output_dir, "loss", "loss", echo=tqdm.write, rules=SFT_RULES, context=context
+    )
+    return [lambda step, metrics: monitor.check(step, metrics)]
 
 
 def _on_cpu(model_config: ModelConfig) -> ModelConfig:
