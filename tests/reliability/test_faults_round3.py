@@ -265,7 +265,16 @@ def test_sigterm_saves_a_checkpoint_says_where_and_exits_143_and_latest_resumes_
     assert [r["step"] for r in read_metrics(run)] == list(range(1, step + 3))
 
 
-def test_sigint_in_an_online_run_saves_and_exits_130(tiny_dir, tmp_path):
+@pytest.fixture
+def sigint_as_in_a_terminal():
+    """Python's own SIGINT handler, as in a terminal: a test run started in the background (by a script, a CI
+    runner) ignores SIGINT, and a run leaves an ignored signal ignored."""
+    original = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, original)
+
+
+def test_sigint_in_an_online_run_saves_and_exits_130(tiny_dir, tmp_path, sigint_as_in_a_terminal):
     """The online loop (PPO, GRPO) the same way; SIGINT (Ctrl-C) exits 130 instead of a KeyboardInterrupt
     traceback that lost the run. After the run the previous handlers are back."""
     from posttrain.trainers.grpo import train as train_grpo
@@ -298,6 +307,7 @@ def test_a_second_signal_exits_at_once_without_saving(tiny_dir, tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (see sigint_as_in_a_terminal)
         from posttrain.trainers.config import load_config
         from posttrain.trainers.sft import SFTConfig, train
 
