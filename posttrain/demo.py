@@ -31,7 +31,7 @@ from posttrain.models import ModelConfig, load_causal_lm, load_tokenizer
 from posttrain.models.tiny import build_tiny
 from posttrain.monitor.alerts import read_alerts
 from posttrain.monitor.report import write_report
-from posttrain.rollout import HFEngine, SamplingParams
+from posttrain.rollout import RolloutConfig, SamplingParams, build_engine
 from posttrain.trainers.config import load_config
 from posttrain.trainers.metrics import read_metrics
 
@@ -101,9 +101,11 @@ def _write(path: Path, rows: list[dict]) -> str:
 
 
 def accuracy(model_dir: str, rows: list[dict], temperature: float, samples: int = 4, seed: int = 0) -> float:
-    """Share of sampled completions (``samples`` per prompt) that are exactly the answer."""
+    """Share of sampled completions (``samples`` per prompt) that are exactly the answer, sampled by the
+    engine ``rollout.engine=auto`` picks (as ``posttrain eval`` does)."""
     tokenizer = load_tokenizer(model_dir)
-    engine = HFEngine(load_causal_lm(ModelConfig(path=model_dir, device="cpu")), tokenizer)
+    model = load_causal_lm(ModelConfig(path=model_dir, device="cpu"))
+    engine = build_engine(RolloutConfig(), model, tokenizer, model_dir, seed)
     torch.manual_seed(seed)
     n = 1 if temperature == 0 else samples
     rollout = engine.generate(
@@ -276,7 +278,8 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
     )
     records = read_metrics(out_path / "ppo")
     tokenizer = load_tokenizer(policy_dir)
-    engine = HFEngine(load_causal_lm(ModelConfig(path=str(out_path / "ppo" / "final" / "policy"))), tokenizer)
+    ppo_dir = str(out_path / "ppo" / "final" / "policy")
+    engine = build_engine(RolloutConfig(), load_causal_lm(ModelConfig(path=ppo_dir)), tokenizer, ppo_dir, seed)
     torch.manual_seed(seed)
     texts = engine.generate(
         [tokenizer("rank:").input_ids], SamplingParams(max_new_tokens=8, min_new_tokens=8), n=64

@@ -87,10 +87,7 @@ class DataConfig:
         """``row`` with each field of ``columns`` taken from its column (the column then leaves the row)."""
         if not self.columns:
             return row
-        out = dict(row)
-        for target, source in self.columns.items():
-            if source in row:
-                out.pop(source)
+        out = {k: v for k, v in row.items() if k not in self.columns.values()}
         for target, source in self.columns.items():
             if source in row:
                 out[target] = row[source]

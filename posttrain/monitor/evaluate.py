@@ -26,7 +26,7 @@ import torch
 from posttrain.data import DataConfig, PromptExample, check_columns, load_prompts
 from posttrain.models import ModelConfig, load_policy, load_tokenizer
 from posttrain.rewards import RewardComposer, RewardSpec, reward_columns, unpad
-from posttrain.rollout import HFEngine, SamplingParams
+from posttrain.rollout import RolloutConfig, SamplingParams, build_engine, choose_engine
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -118,8 +118,14 @@ class Evaluator:
         sampling: SamplingParams,
         output_dir: str | Path | None = None,
         accelerator=None,
+        tokenizer=None,
+        progress: bool = False,
     ):
+        """``tokenizer``: writes each sample's texts with their special tokens too (``prompt_text``,
+        ``completion_text``); ``progress``: a progress bar over the generate calls (the main process's)."""
         self.config = config
+        self.tokenizer = tokenizer
+        self.progress = progress
         self.prompts = prompts[: config.max_prompts] if config.max_prompts else prompts
         self.rewards = rewards
         self.sampling = replace(sampling, max_new_tokens=config.max_new_tokens or sampling.max_new_tokens)
@@ -148,7 +154,16 @@ class Evaluator:
             return None
         # the policy tokenizer, as in training; no unscored-steps stop (an evaluation reports NaN scores)
         rewards = RewardComposer.from_specs(specs, tokenizer, max_unscored_steps=None)
-        return cls(config.eval, eval_prompts, rewards, config.sampling, config.run.output_dir, accelerator)
+        return cls(
+            config.eval,
+            eval_prompts,
+            rewards,
+            config.sampling,
+            config.run.output_dir,
+            accelerator,
+            tokenizer,
+            progress=config.run.progress,
+        )
 
     def due(self, step: int, total_steps: int, every: int | None) -> bool:
         """At step 0 (before any update) when ``at_start``, every ``every`` steps and at the last one."""
@@ -201,6 +216,15 @@ class Evaluator:
         # call is collective (transformers' synced_gpus); a process short of prompts repeats the first one
         # and keeps nothing from it
         calls = math.ceil(math.ceil(len(self.prompts) / world) / self.config.batch_size)
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=len(indices) * n,
+            desc=f"[eval] step {step} {mode}",
+            unit="completion",
+            disable=not self.progress or rank != 0,
+            leave=False,
+        )
         for start in range(0, calls * self.config.batch_size, self.config.batch_size):
             chunk = indices[start : start + self.config.batch_size]
             if not chunk:
@@ -208,6 +232,7 @@ class Evaluator:
                 continue
             prompts = [self.prompts[i] for i in chunk]
             rollout = engine.generate([p.prompt_ids for p in prompts], params, n=n)
+            bar.update(len(rollout))
             if self.failure is not None:  # generate on, in step with the other processes; score no more
                 continue
             keys = sorted({k for p in prompts for k in p.columns})
@@ -241,6 +266,11 @@ class Evaluator:
                         "truncated": bool(rollout.truncated[row]),
                     }
                 )
+                if self.tokenizer is not None:
+                    records[-1]["prompt_text"], records[-1]["completion_text"] = rollout.texts(self.tokenizer, row)
+                for key, values in columns.items():
+                    records[-1].setdefault(key, values[row])
+        bar.close()
         return records
 
     def _gather(self, records: list[dict]) -> list[dict]:
@@ -331,9 +361,12 @@ def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
     check_columns(prompts, reward_columns(config.rewards), config.data.path)  # before the model loads
     model = load_policy(config.model)
     rewards = RewardComposer.from_specs(config.rewards, tokenizer, max_unscored_steps=None)
-    evaluator = Evaluator(config.eval, prompts, rewards, config.sampling, config.output_dir)
+    evaluator = Evaluator(config.eval, prompts, rewards, config.sampling, config.output_dir, None, tokenizer, True)
+    chosen, why = choose_engine(RolloutConfig(), model)
+    print(f"[eval] {len(evaluator.prompts)} prompts; rollout.engine=auto: {chosen} ({why})")
+    engine = build_engine(RolloutConfig(engine=chosen), model, tokenizer, config.model.path, config.eval.seed)
     try:
-        metrics = evaluator.evaluate(HFEngine(model, tokenizer), step=0)
+        metrics = evaluator.evaluate(engine, step=0)
     except EvaluationError:
         raise evaluator.failure from None  # no training to keep here: the reward function's own error
     metrics["eval/prompts"] = len(evaluator.prompts)

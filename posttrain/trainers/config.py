@@ -46,7 +46,8 @@ class OptimConfig:
     scheduler: str = "linear"
     """Learning-rate schedule after warm-up: constant, linear (to 0) or cosine (to 0)."""
     warmup_steps: int = 0
-    """Optimizer steps of linear warm-up from 0."""
+    """Optimizer steps of linear warm-up: step k < W runs at lr·(k+1)/(W+1) (W=2: lr/3, 2lr/3, then lr), so the
+    first step already learns; transformers' get_linear_schedule_with_warmup starts at 0 (0, lr/2, lr)."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this; null = no clipping."""
 

@@ -22,7 +22,14 @@ from functools import partial
 import torch
 
 from posttrain.core import DPO_KINDS, SharedPrefixBatch, dpo_loss, masked_mean, masked_sum, pack_shared_prefix
-from posttrain.data import DataConfig, PreferenceExample, SequenceBatch, collate_preferences, load_preferences
+from posttrain.data import (
+    DataConfig,
+    PreferenceExample,
+    SequenceBatch,
+    collate_preferences,
+    load_preferences,
+    rendered,
+)
 from posttrain.models import (
     ModelConfig,
     Reference,
@@ -228,6 +235,10 @@ def train(config: DPOConfig, callbacks=()) -> dict:
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
     pairs, report = load_preferences(config.data, tokenizer)
     accelerator.print(f"[dpo] data: {report.summary()}")
+    if pairs:
+        accelerator.print(
+            f"[dpo] the first prompt and chosen response as the model reads them: {rendered(tokenizer, pairs[0])}"
+        )
     train_pairs, eval_pairs = split_train_eval(pairs, config.data.eval_fraction, config.run.seed)
     train_examples, eval_examples = [DPOExample(p) for p in train_pairs], [DPOExample(p) for p in eval_pairs]
     policy = load_policy(replace(config.model, device=str(accelerator.device)))

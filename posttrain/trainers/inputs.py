@@ -49,6 +49,7 @@ def check_inputs(config) -> None:
         check_batch_split(config, world_size())
         check_report_to(run)
     check_reward_functions(config)
+    resolve_gguf_paths(config)
     for name, path, kind, revision in _model_paths(config):
         check_model_path(name, path, kind, revision)
     _check_data_path("data.path", config.data.path)
@@ -198,6 +199,21 @@ def check_reward_functions(config) -> None:
 
 
 # -- model and data paths ----------------------------------------------------------------------------
+
+
+def resolve_gguf_paths(config) -> None:
+    """Every model, tokenizer and reference path of ``config`` that names a GGUF file (or a packaged one,
+    ``smollm2``) replaced by the checkpoint folder converted from it (``models.gguf.as_checkpoint``)."""
+    from posttrain.models.gguf import as_checkpoint
+
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, ModelConfig):
+            value.path = as_checkpoint(value.path) if value.path else value.path
+            if value.tokenizer_path:
+                value.tokenizer_path = as_checkpoint(value.tokenizer_path)
+        elif f.name in ("reference_path", "normalize_policy") and isinstance(value, str) and value:
+            setattr(config, f.name, as_checkpoint(value))
 
 
 def _model_paths(config):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from posttrain.core import aggregation_units, masked_whiten, truncated_importance_weights
-from posttrain.data import PromptExample, check_columns, load_prompts
+from posttrain.data import PromptExample, check_columns, load_prompts, rendered
 from posttrain.errors import UserError
 from posttrain.models import (
     Reference,
@@ -39,6 +39,7 @@ from posttrain.rollout import (
     RolloutEngine,
     SamplingParams,
     build_engine,
+    choose_engine,
     ignored_checkpoint_sampling,
 )
 from posttrain.trainers import engines, signals
@@ -87,6 +88,7 @@ class OnlineTrainer:
         check_columns(prompts, reward_columns(specs), config.data.path)  # every column they need, before any model
         self.prompts, self.eval_prompts = split_train_eval(prompts, config.data.eval_fraction, config.run.seed)
         acc.print(f"[{self.name}] prompts: {report.summary()}")
+        acc.print(f"[{self.name}] the first prompt as the model reads it: {rendered(self.tokenizer, prompts[0])}")
         check_batch_split(config, acc.num_processes)
         prompts_per_step = config.run.batch_size // config.num_generations
         self.local_prompts = prompts_per_step // acc.num_processes
@@ -110,6 +112,9 @@ class OnlineTrainer:
             )
         self.policy = policy
         self.accelerator.print(f"[{self.name}] rollout: {self.config.rollout.describe()}")
+        if self.config.rollout.engine == "auto":
+            chosen, why = choose_engine(self.config.rollout, policy)
+            self.accelerator.print(f"[{self.name}] rollout.engine=auto: {chosen} ({why})")
         ignored = ignored_checkpoint_sampling(policy)
         if ignored:
             settings = ", ".join(f"{k}={v}" for k, v in ignored.items())
@@ -235,7 +240,7 @@ class OnlineTrainer:
         metrics.update(times)
         metrics["train/nonfinite_skips"] = self.nonfinite_skips()
         metrics["tokens_per_s"] = metrics["tokens_generated"] / times["time/step"]
-        write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions)
+        write_samples(acc, cfg.run.output_dir, done, rollout, scores, cfg.log_completions, self.tokenizer)
         with contextlib.ExitStack() as generating:
             if self.monitor.evaluating(done, self.total_steps):  # held-out generation through the engine:
                 generating.enter_context(engines.full_parameters(acc, self.actor.model))  # the policy whole
@@ -391,12 +396,17 @@ def sample(engine: RolloutEngine, policy, prompts: list[PromptExample], params: 
         rollout = engine.generate([p.prompt_ids for p in prompts], params, n=n)
     keys = sorted({k for p in prompts for k in p.columns})
     columns = {k: [p.columns.get(k) for p in prompts for _ in range(n)] for k in keys}
+    rollout.columns = columns
     return rollout, columns
 
 
-def write_samples(accelerator, output_dir, step: int, rollout: Rollout, scores: torch.Tensor, n: int) -> None:
+def write_samples(
+    accelerator, output_dir, step: int, rollout: Rollout, scores: torch.Tensor, n: int, tokenizer=None
+) -> None:
     """Append the first ``n`` (prompt, completion, score) of this step to ``samples.jsonl``: the text the
-    numbers are about, to read next to metrics.jsonl (main process only)."""
+    numbers are about, to read next to metrics.jsonl (main process only). ``prompt`` / ``completion`` are the
+    texts the rewards read (special tokens removed); ``prompt_text`` / ``completion_text`` what the model read
+    and wrote (the chat template, ``<|im_end|>``); then the row's other columns (``answer``)."""
     if n <= 0 or not accelerator.is_main_process:
         return
     import json
@@ -404,18 +414,18 @@ def write_samples(accelerator, output_dir, step: int, rollout: Rollout, scores: 
 
     with open(Path(output_dir) / "samples.jsonl", "a", encoding="utf-8") as f:
         for i in range(min(n, len(rollout))):
-            f.write(
-                json.dumps(
-                    {
-                        "step": step,
-                        "prompt": rollout.prompts[i],
-                        "completion": rollout.responses[i],
-                        "score": float(scores[i]),
-                        "truncated": bool(rollout.truncated[i]),
-                    }
-                )
-                + "\n"
-            )
+            record = {
+                "step": step,
+                "prompt": rollout.prompts[i],
+                "completion": rollout.responses[i],
+                "score": float(scores[i]),
+                "truncated": bool(rollout.truncated[i]),
+            }
+            if tokenizer is not None:
+                record["prompt_text"], record["completion_text"] = rollout.texts(tokenizer, i)
+            for key, values in rollout.columns.items():
+                record.setdefault(key, values[i])
+            f.write(json.dumps(record, default=str) + "\n")
 
 
 def split_minibatches(order: torch.Tensor, minibatches: int) -> list[list[int]]:

@@ -32,6 +32,7 @@ from posttrain.data import (
     load_preferences,
     load_prompts,
     load_rankings,
+    rendered,
 )
 from posttrain.data.datasets import first_row
 from posttrain.models import (
@@ -218,6 +219,10 @@ def train(config: RMConfig, callbacks=()) -> dict:
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
     examples, report = load_ranking_data(config, tokenizer)
     accelerator.print(f"[rm] data: {report.summary()}")
+    if examples:
+        accelerator.print(
+            f"[rm] the first prompt and best response as the model reads them: {rendered(tokenizer, examples[0])}"
+        )
     train_examples, eval_examples = split_train_eval(examples, config.data.eval_fraction, config.run.seed)
     model = load_scalar_model(replace(config.model, device="cpu"), "reward")
     if config.model.lora is not None:  # saved as an adapter whose modules_to_save hold the trained score head

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.core import masked_sum
-from posttrain.data import DataConfig, SequenceBatch, collate_packed, collate_sft, load_sft, pack_sft
+from posttrain.data import DataConfig, SequenceBatch, collate_packed, collate_sft, load_sft, pack_sft, rendered
 from posttrain.models import ModelConfig, load_policy, load_tokenizer, sequence_logprobs
 from posttrain.trainers.config import PLACED_BY_ACCELERATE, OptimConfig, RunConfig, reject_ignored, validate_sections
 from posttrain.trainers.inputs import check_inputs
@@ -75,6 +75,8 @@ def train(config: SFTConfig, callbacks=()) -> dict:
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
     examples, report = load_sft(config.data, tokenizer)
     accelerator.print(f"[sft] data: {report.summary()}")
+    if examples:
+        accelerator.print(f"[sft] the first example as the model reads it: {rendered(tokenizer, examples[0])}")
     train_examples, eval_examples = split_train_eval(examples, config.data.eval_fraction, config.run.seed)
     if config.packing:
         train_examples = pack_sft(train_examples, config.data.max_length)
