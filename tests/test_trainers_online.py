@@ -445,7 +445,11 @@ def test_missing_eos_penalty_looks_at_the_response_only(tiny_dir, vowel_rm, tmp_
     """docs/pitfalls.md #7: an EOS inside the prompt does not count; a response that ends in EOS is not penalised."""
     from posttrain.trainers.ppo import PPOTrainer
 
-    trainer = PPOTrainer(_ppo(tiny_dir, vowel_rm, tmp_path, "eos", "missing_eos_penalty=2.0", "critic=policy"))
+    # hf: the hook below boosts EOS in batch row 0, and the lean engine drops finished rows from its batch,
+    # so the other row would move up into row 0 and be boosted too
+    trainer = PPOTrainer(
+        _ppo(tiny_dir, vowel_rm, tmp_path, "eos", "missing_eos_penalty=2.0", "critic=policy", "rollout.engine=hf")
+    )
     eos = trainer.tokenizer.eos_token_id
     prompt = trainer.tokenizer("rank:").input_ids + [eos] + trainer.tokenizer("go").input_ids  # EOS in the prompt
     policy = trainer.engine.model

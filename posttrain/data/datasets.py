@@ -26,6 +26,7 @@ from posttrain.data.rows import (
     read_rows,
     with_first_kinds,
 )
+from posttrain.errors import UserError
 
 MALFORMED_POLICIES = ("error", "skip")
 
@@ -220,6 +221,12 @@ def _build_with_datasets(config: DataConfig, encoder: Encoder, make, example_typ
     if config.limit is not None:
         dataset = dataset.select(range(min(config.limit, len(dataset))))
     if config.columns:
+        missing = sorted(set(config.columns.values()) - set(dataset.column_names))
+        if missing:
+            raise UserError(
+                f"data.columns: {config.path} has no column {', '.join(missing)} (its columns: "
+                f"{', '.join(dataset.column_names)})"
+            )
         dataset = dataset.map(config.renamed, remove_columns=list(config.columns.values()))
     label = f"{config.path}[{config.split}]"
     examples, outcomes, cached = tokenize_with_cache(dataset, label, make, encoder, config.on_malformed, example_type)

@@ -49,11 +49,12 @@ def packaged_gguf(name: str) -> Path:
 
 
 def find_gguf(path: str) -> Path | None:
-    """The GGUF file ``path`` names: a packaged name, a ``.gguf`` file, or a folder holding exactly one
-    ``.gguf`` file and no ``config.json``; None for anything else (a checkpoint folder, a Hub id)."""
-    if path in PACKAGED:
-        return packaged_gguf(path)
+    """The GGUF file ``path`` names: a ``.gguf`` file, a folder holding exactly one ``.gguf`` file and no
+    ``config.json``, or a packaged name (when no local path of that name exists: ``posttrain import smollm2
+    --out smollm2`` writes a folder the name then means); None for anything else (a checkpoint, a Hub id)."""
     local = Path(path).expanduser()
+    if path in PACKAGED and not local.exists():
+        return packaged_gguf(path)
     if local.is_file() and local.suffix == ".gguf":
         return local
     if local.is_dir() and not (local / "config.json").exists():
@@ -123,6 +124,8 @@ def import_gguf(source: str, out: str, overwrite: bool = False) -> Path:
     if gguf is None:
         raise UserError(f"{source}: not a .gguf file, a folder holding one, or one of {sorted(PACKAGED)}")
     target = Path(out).expanduser()
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{out} is a file; --out names a folder to write")
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise UserError(f"{out} exists and is not empty; choose another folder")
     import torch

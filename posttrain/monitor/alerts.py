@@ -174,7 +174,7 @@ class History:
         self.rewards_near.append(reward)
         if reward is not None:
             for track in self.evals.values():
-                if not track.then:  # a best logged before any training reward (step 0, the starting model):
+                if not track.then and track.best_step == 0:  # the starting model's best (step 0, no reward yet):
                     track.then = [reward]  # the first one is that model's (step 1 samples from it)
         for key in EVAL_KEYS:
             score = _finite(record.get(key))
@@ -435,7 +435,7 @@ RULES = (
 
 
 # --------------------------------------------------------------------------------------------------
-# SFT: the two signs of a run that learns nothing (issue 24 item 18)
+# SFT: the two signs of a run that learns nothing
 # --------------------------------------------------------------------------------------------------
 
 ZERO_GRAD_NORM = 1e-8

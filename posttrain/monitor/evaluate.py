@@ -162,7 +162,7 @@ class Evaluator:
             config.run.output_dir,
             accelerator,
             tokenizer,
-            progress=config.run.progress,
+            progress=getattr(config.run, "progress", False),
         )
 
     def due(self, step: int, total_steps: int, every: int | None) -> bool:
@@ -238,7 +238,7 @@ class Evaluator:
             keys = sorted({k for p in prompts for k in p.columns})
             columns = {k: [p.columns.get(k) for p in prompts for _ in range(n)] for k in keys}
             # the arguments training gives (grpo._score, ppo.scores): a reward model reads the rollout's
-            # tokens, EOS included, not the decoded text re-tokenised (issue 24, items 1 and 2)
+            # tokens, EOS included, not the decoded text re-tokenised
             try:
                 out = self.rewards(
                     rollout.prompts,
@@ -352,7 +352,7 @@ def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
     to ``output_dir`` when set)."""
     config.validate()
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
-    from posttrain.trainers.template_mode import warn_template_mismatch
+    from posttrain.models.template_mode import warn_template_mismatch
 
     warn_template_mismatch(
         config.model.path, config.data.chat_template, tokenizer, lambda m: print(f"[eval] warning: {m}")
@@ -362,9 +362,9 @@ def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
     model = load_policy(config.model)
     rewards = RewardComposer.from_specs(config.rewards, tokenizer, max_unscored_steps=None)
     evaluator = Evaluator(config.eval, prompts, rewards, config.sampling, config.output_dir, None, tokenizer, True)
-    chosen, why = choose_engine(RolloutConfig(), model)
+    chosen, why = choose_engine(model)
     print(f"[eval] {len(evaluator.prompts)} prompts; rollout.engine=auto: {chosen} ({why})")
-    engine = build_engine(RolloutConfig(engine=chosen), model, tokenizer, config.model.path, config.eval.seed)
+    engine = build_engine(RolloutConfig(engine="auto"), model, tokenizer, config.model.path, config.eval.seed)
     try:
         metrics = evaluator.evaluate(engine, step=0)
     except EvaluationError:

@@ -211,10 +211,12 @@ if job["uid"] is not None:
             if select.select([alive], [], [], 0)[0]:  # this process's parent died before the signal was set
                 os._exit(1)
             os.close(alive)
-            proc = ((root or "") + "/proc").encode()
-            isolation["pids"] = mount(b"proc", proc, b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-            if root is not None:
+            if root is not None:  # the namespace's /proc inside the private root, then into it
+                inside = mount(b"proc", (root + "/proc").encode(), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
                 root = enter(root)
+                isolation["pids"] = inside and root is not None
+            if root is None:  # no private root, or the kernel refused it: the namespace's /proc over the host's
+                isolation["pids"] = mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             program = os.fork()
             if program:  # pid 1: reap the program and every process it left, then end with its status
                 code = 1
@@ -358,6 +360,7 @@ class SandboxResult:
     read_only: bool = False  # and every mount but the private tmpfs was read-only
     private_pids: bool = False  # and a PID namespace: the program saw none of the host's processes
     private_files: bool = False  # and a root of its own: the system's /usr and /lib*, the interpreter, tmpfs
+    private_root_error: str = ""  # why the kernel refused that root, when it did
     startup: float = 0.0  # seconds until the sandbox process was ready to run the program (not timed)
     errors: list[str] = field(default_factory=list)
 
@@ -550,6 +553,7 @@ def _read_events(result: SandboxResult, events: bytes, returncode: int | None) -
         if parsed and parsed[0].get("event") == "namespaces":
             result.isolated, result.read_only = True, parsed[0].get("read_only") is True
             result.private_pids, result.private_files = parsed[0].get("pids") is True, parsed[0].get("files") is True
+            result.private_root_error = str(parsed[0].get("files_error") or "")
             parsed = parsed[1:]
         if parsed and parsed[0] == {"event": "ready"}:
             parsed = parsed[1:]

@@ -105,9 +105,9 @@ def _vllm(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, 
     )
 
 
-def choose_engine(config: RolloutConfig, policy: nn.Module) -> tuple[str, str]:
+def choose_engine(policy: nn.Module) -> tuple[str, str]:
     """(engine, why) for ``rollout.engine=auto``: lean where its written-out step covers ``policy`` (the
-    same log-probs as the training forward, 1.2-1.3x the speed of ``generate`` on CPUs), hf otherwise."""
+    same log-probs as the training forward, faster than ``generate`` on CPUs: bench/README.md), hf otherwise."""
     gaps = written_out_gaps(policy)
     if not gaps:
         return "lean", f"the written-out {type(policy).__name__} decode step covers this checkpoint"
@@ -115,7 +115,7 @@ def choose_engine(config: RolloutConfig, policy: nn.Module) -> tuple[str, str]:
 
 
 def _auto(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, seed: int) -> RolloutEngine:
-    return BUILDERS[choose_engine(config, policy)[0]](config, policy, tokenizer, model_path, seed)
+    return BUILDERS[choose_engine(policy)[0]](config, policy, tokenizer, model_path, seed)
 
 
 BUILDERS: dict[str, Callable[..., RolloutEngine]] = {"auto": _auto, "hf": _hf, "lean": _lean, "vllm": _vllm}

@@ -283,20 +283,18 @@ def save_checkpoint(accelerator, output_dir, step: int, models: dict, tokenizer,
         with weights_left_to_hf(accelerator, models):
             accelerator.save_state(str(tmp / "state"))
         accelerator.wait_for_everyone()  # every process's files are in tmp before the manifest lists them
-        for role, model in models.items():
-            if accelerator.is_main_process:
-                accelerator.unwrap_model(model).save_pretrained(tmp / "hf" / role, state_dict=state_dicts[role])
-                tokenizer.save_pretrained(tmp / "hf" / role)
-                from posttrain.trainers.template_mode import record_template_mode
-
-                record_template_mode(output_dir, tmp / "hf" / role, tokenizer)  # data.chat_template, for later stages
+        failure = None
         if accelerator.is_main_process:
-            config = yaml.safe_load((Path(output_dir) / CONFIG_FILE).read_text())
-            shutil.copyfile(Path(output_dir) / CONFIG_FILE, tmp / CONFIG_FILE)
-            state = {"step": step, "config_hash": config_hash(config), **trainer_state}
-            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
-            _write_manifest(tmp)
-            _fsync_tree(tmp)
+            try:
+                _write_main_files(output_dir, tmp, step, models, state_dicts, accelerator, tokenizer, trainer_state)
+            except Exception as err:
+                failure = err
+        # the other processes learn of the main one's failure, or they would wait at the next barrier for ever
+        code = _largest(accelerator, 0 if failure is None else 2 if is_disk_full(failure) else 1)
+        if failure is not None:
+            raise failure
+        if code:
+            raise OSError(errno.ENOSPC if code == 2 else errno.EIO, f"the main process could not write {tmp}")
     except Exception as err:
         if not is_disk_full(err):  # left as a killed save leaves it: refused as partial, removed by the next save
             raise
@@ -319,6 +317,34 @@ def save_checkpoint(accelerator, output_dir, step: int, models: dict, tokenizer,
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def _write_main_files(output_dir, tmp: Path, step: int, models, state_dicts, accelerator, tokenizer, trainer_state):
+    """The main process's part of a checkpoint: each role's Hugging Face folder, the config, the trainer
+    state and, last, the manifest."""
+    from posttrain.models.template_mode import record_template_mode
+
+    for role, model in models.items():
+        accelerator.unwrap_model(model).save_pretrained(tmp / "hf" / role, state_dict=state_dicts[role])
+        tokenizer.save_pretrained(tmp / "hf" / role)
+        record_template_mode(output_dir, tmp / "hf" / role, tokenizer)  # data.chat_template, for later stages
+    config = yaml.safe_load((Path(output_dir) / CONFIG_FILE).read_text())
+    shutil.copyfile(Path(output_dir) / CONFIG_FILE, tmp / CONFIG_FILE)
+    state = {"step": step, "config_hash": config_hash(config), **trainer_state}
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+    _write_manifest(tmp)
+    _fsync_tree(tmp)
+
+
+def _largest(accelerator, code: int) -> int:
+    """The largest ``code`` over the processes (collective; the code itself with one process)."""
+    if accelerator.num_processes == 1:
+        return code
+    import torch.distributed as dist
+
+    value = torch.tensor([code], device=accelerator.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 def load_checkpoint(accelerator, path: Path) -> dict:

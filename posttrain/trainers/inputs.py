@@ -102,6 +102,12 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
+VLLM_LORA_FSDP = (
+    "rollout.engine=vllm with a LoRA policy (model.lora) under FSDP2: merging sharded adapters for vLLM is not "
+    "built; use rollout.engine=hf or lean, or DeepSpeed ZeRO-2/3 (examples/accelerate/zero*.yaml)"
+)
+
+
 def check_engines(config) -> None:
     """The packages of the engines asked for are installed: DeepSpeed for an accelerate DeepSpeed config
     (``ACCELERATE_USE_DEEPSPEED``), vLLM for ``rollout.engine=vllm`` in the training process (imported
@@ -118,10 +124,7 @@ def check_engines(config) -> None:
     if rollout is None or rollout.engine != "vllm" or rollout.mode != "colocate":
         return
     if fsdp_requested() and (config.model.lora is not None or is_peft_adapter(config.model.path)):
-        raise UserError(
-            "rollout.engine=vllm with a LoRA policy (model.lora) under FSDP2: merging sharded adapters for vLLM "
-            "is not built; use rollout.engine=hf or lean, or DeepSpeed ZeRO-2/3 (examples/accelerate/zero*.yaml)"
-        )
+        raise UserError(VLLM_LORA_FSDP)
     if not _installed("vllm"):
         raise UserError(
             "rollout.engine=vllm needs vLLM, which is not installed: `pip install posttrain[vllm]` on a GPU "

@@ -227,7 +227,7 @@ def run_offline(
     accelerator.register_for_checkpointing(scheduler)
     saved = {role: (model if m is trainable.model else m) for role, m in trainable.saved.items()}
     state, logger = start_run(accelerator, config, total_steps, Path(run.output_dir).name)
-    from posttrain.trainers.template_mode import check_stage
+    from posttrain.models.template_mode import check_stage
 
     check_stage(accelerator, config, tokenizer, Path(run.output_dir).name)  # a checkpoint of another template mode
     accelerator.print(f"[{Path(run.output_dir).name}] training engine: {engines.describe(accelerator)}")
@@ -378,7 +378,7 @@ def save_final(accelerator, output_dir, models: dict, tokenizer) -> None:
                 Path(output_dir) / "final" / role, state_dict=state_dicts[role]
             )
             tokenizer.save_pretrained(Path(output_dir) / "final" / role)
-            from posttrain.trainers.template_mode import record_template_mode
+            from posttrain.models.template_mode import record_template_mode
 
             record_template_mode(output_dir, Path(output_dir) / "final" / role, tokenizer)  # for later stages
     accelerator.wait_for_everyone()

@@ -31,6 +31,7 @@ from posttrain.models import (
     response_logprobs,
     shared_prefix_logprobs,
 )
+from posttrain.models.template_mode import check_stage
 from posttrain.monitor import RunMonitor
 from posttrain.rewards import reward_columns
 from posttrain.rollout import (
@@ -44,7 +45,7 @@ from posttrain.rollout import (
 )
 from posttrain.trainers import engines, signals
 from posttrain.trainers.checkpoint import save_checkpoint
-from posttrain.trainers.inputs import check_batch_split, check_inputs
+from posttrain.trainers.inputs import VLLM_LORA_FSDP, check_batch_split, check_inputs
 from posttrain.trainers.loop import (
     NonFiniteGuard,
     PhaseTimer,
@@ -58,7 +59,6 @@ from posttrain.trainers.loop import (
     start_run,
 )
 from posttrain.trainers.prefix import SharedPrefix, packed_rollout_rows, prompt_cache_applies, unpack_rows
-from posttrain.trainers.template_mode import check_stage
 
 
 class OnlineTrainer:
@@ -106,14 +106,11 @@ class OnlineTrainer:
     def start_engine(self, policy) -> None:
         """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
         if self.config.rollout.engine == "vllm" and engines.is_fsdp(self.accelerator) and is_peft_model(policy):
-            raise UserError(
-                "rollout.engine=vllm with a LoRA policy (model.lora) under FSDP2: merging sharded adapters for vLLM "
-                "is not built; use rollout.engine=hf or lean, or DeepSpeed ZeRO-2/3 (examples/accelerate/zero*.yaml)"
-            )
+            raise UserError(VLLM_LORA_FSDP)  # checked at start from the launch; here from the engine in force
         self.policy = policy
         self.accelerator.print(f"[{self.name}] rollout: {self.config.rollout.describe()}")
         if self.config.rollout.engine == "auto":
-            chosen, why = choose_engine(self.config.rollout, policy)
+            chosen, why = choose_engine(policy)
             self.accelerator.print(f"[{self.name}] rollout.engine=auto: {chosen} ({why})")
         ignored = ignored_checkpoint_sampling(policy)
         if ignored:

@@ -1,7 +1,7 @@
 """One run per run folder: an exclusive lock on ``<run.output_dir>/.posttrain.lock`` for the run's life.
 
-Two runs started on the same ``run.output_dir`` used to both run to the end, each step twice in
-``metrics.jsonl`` and whichever ``final/`` finished last. ``lock_run_dir`` (called by
+Without it, two runs on one ``run.output_dir`` both run to the end, each step twice in ``metrics.jsonl`` and
+whichever ``final/`` finished last. ``locked_run_dir`` (called by
 ``inputs.check_inputs``, before any model loads) takes an exclusive, non-blocking ``fcntl.lockf`` lock on
 the lock file and writes its PID there; a second run on the folder stops at start with one line naming
 the first run's PID (``UserError``). The kernel drops the lock when the process ends, however it ends (a
@@ -36,7 +36,8 @@ _held: dict[str, int] = {}  # resolved run folder -> the open, locked file descr
 _owner = os.getpid()  # a forked child (which holds no lock) never removes a lock file
 
 
-def _rank() -> int:
+def launch_rank() -> int:
+    """This process's rank as the launcher set it (torchrun, accelerate, mpirun), before any process group."""
     for variable in _RANK_VARIABLES:
         if os.environ.get(variable):
             return int(os.environ[variable])
@@ -61,7 +62,7 @@ def lock_run_dir(output_dir: str | Path) -> bool:
     """Take the run folder's lock (creating the folder) for this process, or raise ``UserError`` naming the
     process that holds it. A no-op on processes other than rank 0 and when this process holds it already.
     Returns whether this call took it."""
-    if _rank() != 0:
+    if launch_rank() != 0:
         return False
     folder = Path(output_dir).resolve()
     key = str(folder)

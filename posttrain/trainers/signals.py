@@ -2,13 +2,13 @@
 in one line and exits with 128 + the signal's number (143 for SIGTERM, 130 for SIGINT, as a shell reports a
 process the signal ended). A second signal ends the process at once, by the signal itself.
 
-Schedulers and ``kill`` send SIGTERM first; before, the run died at once without a checkpoint (20 steps
-lost in the probe) and ``run.resume_from=latest`` found nothing. ``handles_stop_signals`` wraps a training
+Schedulers and ``kill`` send SIGTERM first; without the handlers the run dies at once without a checkpoint
+and ``run.resume_from=latest`` finds nothing. ``handles_stop_signals`` wraps a training
 loop (``loop.run_offline``, ``online.OnlineTrainer.train``): it installs the handlers for the loop's life
 and restores the previous ones after, however the loop ends. The loop calls ``stop_if_signalled`` after
 each step. A signal during the last step lets the run finish (``final/`` is written, exit 0).
 
-Under several processes the decision is collective (a sum over processes each step), so every process
+Under several processes the decision is collective (a max over processes each step), so every process
 saves the same checkpoint and stops together, whichever of them the signal reached. A child forked from
 the trainer (a reward worker) that inherits the handlers dies of the signal as it did before.
 """
@@ -40,7 +40,9 @@ class TrainingInterrupted(SystemExit):
 
 
 def _is_main_rank() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
+    from posttrain.trainers.runlock import launch_rank
+
+    return launch_rank() == 0
 
 
 def _handle(signum, frame) -> None:

@@ -95,6 +95,8 @@ def test_the_program_sees_no_host_process_and_no_host_file():
         "assert decimal.Decimal('0.1') * 3 == decimal.Decimal('0.3')",  # the standard library works
     ]
     result = run_program(code, tests, timeout=10)
+    if result.private_root_error:
+        pytest.skip(f"this kernel refuses the private root: {result.private_root_error}")
     assert result.private_pids and result.private_files, result
     assert (result.status, result.passed) == ("ok", len(tests)), result.errors
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from posttrain.trainers.template_mode import INFO_FILE, template_mismatch
+from posttrain.models.template_mode import INFO_FILE, template_mismatch
 
 
 @pytest.fixture(scope="module")

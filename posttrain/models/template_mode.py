@@ -1,5 +1,5 @@
 """The chat-template mode a model was trained with, kept beside its weights, and the warning when a
-later stage renders prompts otherwise (issue 24 item 17).
+later stage renders prompts otherwise.
 
 Every model folder a trainer saves (``final/<role>``, ``checkpoints/step-N/hf/<role>``) gets
 ``posttrain.json``: the run's ``data.chat_template`` and whether prompts were rendered through the
