@@ -259,72 +259,95 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     _quiet_transformers()
-    if args.command == "demo":
-        if args.real:
-            from posttrain.demo_real import run_real_demo
+    commands = {
+        "demo": _run_demo,
+        "export": _run_export,
+        "import": _run_import,
+        "tiny": _run_tiny,
+        "eval": _run_eval,
+        "report": _run_report,
+        "vllm-serve": _run_vllm_serve,
+    }
+    return commands.get(args.command, _run_trainer)(parser, args)
 
-            run_real_demo(args.out or "runs/demo-real", seed=args.seed, quick=args.quick)
-            return 0
-        from posttrain.demo import run_demo
 
-        run_demo(args.out or "runs/demo", seed=args.seed, quick=args.quick)
+def _run_demo(parser, args) -> int:
+    if args.real:
+        from posttrain.demo_real import run_real_demo
+
+        run_real_demo(args.out or "runs/demo-real", seed=args.seed, quick=args.quick)
         return 0
-    if args.command == "export":
-        from posttrain.errors import UserError
-        from posttrain.export import export, push_to_hub
+    from posttrain.demo import run_demo
 
-        try:
-            out = export(args.source, args.out, args.merge_lora)
-        except (FileNotFoundError, FileExistsError, UserError) as err:
+    run_demo(args.out or "runs/demo", seed=args.seed, quick=args.quick)
+    return 0
+
+
+def _run_export(parser, args) -> int:
+    from posttrain.errors import UserError
+    from posttrain.export import export, push_to_hub
+
+    try:
+        out = export(args.source, args.out, args.merge_lora)
+    except (FileNotFoundError, FileExistsError, UserError) as err:
+        parser.exit(2, f"posttrain export: error: {err}\n")
+    print(f"wrote {out}")
+    if args.push_to_hub:
+        try:  # a UserError (no token, offline, no answer) or a repo id the Hub refuses: one line, folder kept
+            url = push_to_hub(out, args.push_to_hub)
+        except ValueError as err:
             parser.exit(2, f"posttrain export: error: {err}\n")
-        print(f"wrote {out}")
-        if args.push_to_hub:
-            try:  # a UserError (no token, offline, no answer) or a repo id the Hub refuses: one line, folder kept
-                url = push_to_hub(out, args.push_to_hub)
-            except ValueError as err:
-                parser.exit(2, f"posttrain export: error: {err}\n")
-            print(f"pushed to {url}")
-        return 0
-    if args.command == "import":
-        from posttrain.errors import UserError
-        from posttrain.models.gguf import import_gguf
+        print(f"pushed to {url}")
+    return 0
 
-        try:
-            print(f"wrote {import_gguf(args.source, args.out)}")
-        except UserError as err:
-            parser.exit(2, f"posttrain import: error: {err}\n")
-        return 0
-    if args.command == "tiny":
-        from posttrain.models.tiny import build_tiny
 
-        for kind, folder in (("causal", "policy"), ("reward", "reward")):
-            path = build_tiny(os.path.join(args.out, folder), kind=kind, arch=args.arch, seed=args.seed)
-            print(f"wrote {path}")
-        return 0
-    if args.command == "eval":
-        return _run_eval(parser, args)
-    if args.command == "report":
-        from posttrain.errors import UserError
-        from posttrain.monitor.report import write_report
+def _run_import(parser, args) -> int:
+    from posttrain.errors import UserError
+    from posttrain.models.gguf import import_gguf
 
-        try:
-            print(f"wrote {write_report(args.runs, args.out)}")
-        except (FileNotFoundError, UserError) as err:
-            parser.exit(2, f"posttrain report: error: {err}\n")
-        return 0
-    if args.command == "vllm-serve":
-        from posttrain.rollout.vllm_server import serve
+    try:
+        print(f"wrote {import_gguf(args.source, args.out)}")
+    except UserError as err:
+        parser.exit(2, f"posttrain import: error: {err}\n")
+    return 0
 
-        serve(
-            args.model,
-            args.host,
-            args.port,
-            dtype=args.dtype,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enforce_eager=args.enforce_eager,
-            seed=args.seed,
-        )
-        return 0
+
+def _run_tiny(parser, args) -> int:
+    from posttrain.models.tiny import build_tiny
+
+    for kind, folder in (("causal", "policy"), ("reward", "reward")):
+        path = build_tiny(os.path.join(args.out, folder), kind=kind, arch=args.arch, seed=args.seed)
+        print(f"wrote {path}")
+    return 0
+
+
+def _run_report(parser, args) -> int:
+    from posttrain.errors import UserError
+    from posttrain.monitor.report import write_report
+
+    try:
+        print(f"wrote {write_report(args.runs, args.out)}")
+    except (FileNotFoundError, UserError) as err:
+        parser.exit(2, f"posttrain report: error: {err}\n")
+    return 0
+
+
+def _run_vllm_serve(parser, args) -> int:
+    from posttrain.rollout.vllm_server import serve
+
+    serve(
+        args.model,
+        args.host,
+        args.port,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+    return 0
+
+
+def _run_trainer(parser, args) -> int:
     module_name, class_name, _ = TRAINERS[args.command]
     module = importlib.import_module(module_name)
     from posttrain.trainers.config import load_config

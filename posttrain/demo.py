@@ -124,7 +124,7 @@ def _right_wrong_pairs(rows: list[dict], seed: int) -> list[dict]:
 
 
 def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict:
-    from posttrain.trainers import dpo, grpo, ppo, rm, sft
+    from posttrain.trainers import sft
 
     out_path = Path(out)
     start = time.perf_counter()
@@ -162,6 +162,32 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
     results["sft"] = {"sampled": accuracy(sft_dir, held_out, 1.0, seed=seed), "greedy": accuracy(sft_dir, held_out, 0)}
     _finish_stage(out_path, results, start, "sft", f"SFT: accuracy {_accuracies(results['sft'])}")
 
+    ctx = {
+        "out": out_path,
+        "seed": seed,
+        "steps": steps,
+        "common": common,
+        "results": results,
+        "start": start,
+        "sft_dir": sft_dir,
+        "held_out": held_out,
+        "held_out_path": held_out_path,
+        "policy_dir": policy_dir,
+    }
+    for stage in (_grpo_stage, _dpo_stage, _rm_stage, _ppo_stage):
+        stage(ctx)
+    _print_summary(results, out_path)
+    return results
+
+
+def _grpo_stage(ctx: dict) -> None:
+    """3. GRPO from the SFT model with the exact-answer reward, evaluated on the held-out sums as it trains."""
+    from posttrain.trainers import grpo
+
+    out_path, seed, steps, common, results, start = (
+        ctx[k] for k in ("out", "seed", "steps", "common", "results", "start")
+    )
+    sft_dir, held_out, held_out_path = ctx["sft_dir"], ctx["held_out"], ctx["held_out_path"]
     print(f"3. GRPO from the SFT model, reward = the sum is right ({steps['grpo']} steps)")
     prompts = _write(
         out_path / "data" / "prompts.jsonl",
@@ -196,6 +222,15 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
     grpo_line = f"mean reward {results['grpo']['reward_first5']:.3f} -> {results['grpo']['reward_last5']:.3f}"
     _finish_stage(out_path, results, start, "grpo", f"GRPO: accuracy {_accuracies(results['grpo'])}; {grpo_line}")
 
+
+def _dpo_stage(ctx: dict) -> None:
+    """4. DPO from the SFT model on (right sum, wrong sum) pairs, then its accuracies."""
+    from posttrain.trainers import dpo
+
+    out_path, seed, steps, common, results, start = (
+        ctx[k] for k in ("out", "seed", "steps", "common", "results", "start")
+    )
+    sft_dir, held_out = ctx["sft_dir"], ctx["held_out"]
     print(f"4. DPO from the SFT model on (right sum, wrong sum) pairs ({steps['dpo']} steps)")
     pairs = _write(
         out_path / "data" / "pairs.jsonl", _right_wrong_pairs(arithmetic_sft(1000, seed=seed + 2, low=0, high=9), seed)
@@ -228,6 +263,15 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
     dpo_line = f"held-out implicit-reward accuracy {results['dpo']['eval_reward_accuracy']:.1%}"
     _finish_stage(out_path, results, start, "dpo", f"DPO: accuracy {_accuracies(results['dpo'])}; {dpo_line}")
 
+
+def _rm_stage(ctx: dict) -> None:
+    """5. A reward model from 4-way vowel rankings, then its held-out pairwise accuracy."""
+    from posttrain.trainers import rm
+
+    out_path, seed, steps, common, results, start = (
+        ctx[k] for k in ("out", "seed", "steps", "common", "results", "start")
+    )
+    policy_dir = ctx["policy_dir"]
     print(f"5. reward model from 4-way rankings, more vowels is better ({steps['rm']} steps)")
     rm_data = _write(out_path / "data" / "rankings.jsonl", vowel_rankings(800, k=4, seed=seed))
     rm_result = rm.train(
@@ -253,6 +297,15 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
     rm_line = f"held-out pairwise accuracy {results['rm']['eval_pairwise_accuracy']:.1%}"
     _finish_stage(out_path, results, start, "rm", f"reward model: {rm_line}")
 
+
+def _ppo_stage(ctx: dict) -> None:
+    """6. RLHF-PPO of the tiny model against the stage-5 reward model, then its scores and samples."""
+    from posttrain.trainers import ppo
+
+    out_path, seed, steps, common, results, start = (
+        ctx[k] for k in ("out", "seed", "steps", "common", "results", "start")
+    )
+    policy_dir = ctx["policy_dir"]
     print(f"6. RLHF-PPO of the tiny model against that reward model ({steps['ppo']} steps)")
     ppo_prompts = _write(out_path / "data" / "ppo_prompts.jsonl", [{"prompt": "rank:"}] * 64)
     ppo.train(
@@ -294,8 +347,6 @@ def run_demo(out: str = "runs/demo", seed: int = 0, quick: bool = False) -> dict
     results["alerts"]["ppo"] = len(read_alerts(out_path / "ppo"))
     ppo_line = f"reward-model score {results['ppo']['score_first5']:.2f} -> {results['ppo']['score_last5']:.2f}"
     _finish_stage(out_path, results, start, "ppo", f"PPO: {ppo_line}")
-    _print_summary(results, out_path)
-    return results
 
 
 def _accuracies(r: dict) -> str:

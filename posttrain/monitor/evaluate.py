@@ -25,7 +25,7 @@ import torch
 
 from posttrain.data import DataConfig, PromptExample, check_columns, load_prompts
 from posttrain.models import ModelConfig, load_policy, load_tokenizer
-from posttrain.rewards import RewardComposer, RewardSpec, reward_columns, unpad
+from posttrain.rewards import RewardComposer, RewardSpec, reward_columns, score_rollout
 from posttrain.rollout import RolloutConfig, SamplingParams, build_engine, choose_engine
 
 
@@ -237,16 +237,8 @@ class Evaluator:
                 continue
             keys = sorted({k for p in prompts for k in p.columns})
             columns = {k: [p.columns.get(k) for p in prompts for _ in range(n)] for k in keys}
-            # the arguments training gives (grpo._score, ppo.scores): a reward model reads the rollout's
-            # tokens, EOS included, not the decoded text re-tokenised
-            try:
-                out = self.rewards(
-                    rollout.prompts,
-                    rollout.responses,
-                    columns,
-                    unpad(rollout.prompt_ids, rollout.prompt_mask),
-                    unpad(rollout.response_ids, rollout.response_mask),
-                )
+            try:  # the arguments training gives (grpo._score, ppo.scores)
+                out = score_rollout(self.rewards, rollout, columns)
             except Exception as err:  # the composer's RewardError, a bad value, a function's own bug
                 self.failure, self.failure_details = err, traceback.format_exc()
                 continue

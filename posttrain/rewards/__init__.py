@@ -10,6 +10,7 @@ from posttrain.rewards.base import (
     load_reward_function,
     required_columns,
     reward_columns,
+    score_rollout,
     unpad,
 )
 from posttrain.rewards.length import length_penalty, overlong_penalty
@@ -26,5 +27,6 @@ __all__ = [
     "overlong_penalty",
     "required_columns",
     "reward_columns",
+    "score_rollout",
     "unpad",
 ]

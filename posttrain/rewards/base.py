@@ -200,6 +200,19 @@ def unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[keep.bool()].tolist() for row, keep in zip(ids.cpu(), mask.cpu(), strict=True)]
 
 
+def score_rollout(rewards, rollout, columns: dict):
+    """``rewards(...)`` (a ``RewardComposer``) on a rollout, with the arguments training and evaluation both
+    give: the decoded texts, the rows' columns, and the prompt and completion ids as sampled (a reward model
+    reads those tokens, EOS included, not the text re-tokenised)."""
+    return rewards(
+        rollout.prompts,
+        rollout.responses,
+        columns,
+        unpad(rollout.prompt_ids, rollout.prompt_mask),
+        unpad(rollout.response_ids, rollout.response_mask),
+    )
+
+
 def _returned(result) -> tuple[str, object]:
     """("ok", list) of what a reward function returned, or ("bad", what it was instead)."""
     if isinstance(result, list | tuple):

@@ -39,7 +39,7 @@ from posttrain.core import (
 from posttrain.data import DataConfig
 from posttrain.models import ModelConfig, load_policy
 from posttrain.monitor import AlertConfig, EvalConfig
-from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty, unpad
+from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty, score_rollout
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams, concat_rollouts
 from posttrain.trainers import engines
 from posttrain.trainers.config import (
@@ -362,13 +362,7 @@ class GRPOTrainer(OnlineTrainer):
     # -- 1-2. rollout and rewards ---------------------------------------------------------------
 
     def _score(self, rollout: Rollout, columns: dict) -> tuple[torch.Tensor, dict]:
-        out = self.rewards(
-            rollout.prompts,
-            rollout.responses,
-            columns,
-            unpad(rollout.prompt_ids, rollout.prompt_mask),
-            unpad(rollout.response_ids, rollout.response_mask),
-        )
+        out = score_rollout(self.rewards, rollout, columns)
         cfg = self.config
         scores = out.total
         if cfg.overlong_buffer_fraction > 0:

@@ -219,18 +219,9 @@ def run_offline(
         raise UserError(f"run.batch_size={run.batch_size} is larger than the {len(train_examples)} training examples")
     total_steps = run.max_steps or max(1, math.ceil(run.epochs * schedule.steps_per_epoch))
 
-    optimizer, scheduler = build_optimizer(
-        [p for p in trainable.model.parameters() if p.requires_grad], config.optim, total_steps
+    model, optimizer, scheduler, saved, state, logger = _start_offline(
+        accelerator, trainable, config, tokenizer, total_steps, per_process, micro
     )
-    engines.configure(accelerator, micro, per_process // micro, config.optim.max_grad_norm)
-    model, optimizer = engines.prepare(accelerator, trainable.model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    saved = {role: (model if m is trainable.model else m) for role, m in trainable.saved.items()}
-    state, logger = start_run(accelerator, config, total_steps, Path(run.output_dir).name)
-    from posttrain.models.template_mode import check_stage
-
-    check_stage(accelerator, config, tokenizer, Path(run.output_dir).name)  # a checkpoint of another template mode
-    accelerator.print(f"[{Path(run.output_dir).name}] training engine: {engines.describe(accelerator)}")
     guard = NonFiniteGuard(accelerator, run, model=next(iter(trainable.saved)))
     metrics: dict[str, float] = {}
     eval_metrics: dict[str, float] = {}
@@ -264,11 +255,7 @@ def run_offline(
         record = dict(metrics)
         evaluated = bool(eval_examples) and (done == total_steps or bool(run.eval_every) and done % run.eval_every == 0)
         if evaluated:  # into the step's record, the last step's too: one record per step
-            t_eval = time.perf_counter()
-            eval_metrics = evaluate_offline(accelerator, task, model, eval_examples, micro)
-            timer.seconds.clear()  # the task's phases inside the evaluation belong to time/eval
-            record.update(eval_metrics)
-            record["time/eval"] = time.perf_counter() - t_eval  # after the step: not part of time/step
+            eval_metrics = _evaluate_into(record, accelerator, task, model, eval_examples, micro, timer)
         if done % run.log_every == 0 or done == total_steps or evaluated:
             logger.log(done, record, bar_keys)
         logger.advance()
@@ -293,6 +280,38 @@ def run_offline(
         "steps": total_steps,
         "processes": accelerator.num_processes,
     }
+
+
+def _start_offline(
+    accelerator, trainable: Trainable, config, tokenizer, total_steps: int, per_process: int, micro: int
+):
+    """(model, optimizer, scheduler, saved roles, resumed state or None, logger) of an offline run: AdamW and
+    its schedule, the training engine, the run folder (fresh or resumed) and the start-of-run checks."""
+    run: RunConfig = config.run
+    optimizer, scheduler = build_optimizer(
+        [p for p in trainable.model.parameters() if p.requires_grad], config.optim, total_steps
+    )
+    engines.configure(accelerator, micro, per_process // micro, config.optim.max_grad_norm)
+    model, optimizer = engines.prepare(accelerator, trainable.model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    saved = {role: (model if m is trainable.model else m) for role, m in trainable.saved.items()}
+    state, logger = start_run(accelerator, config, total_steps, Path(run.output_dir).name)
+    from posttrain.models.template_mode import check_stage
+
+    check_stage(accelerator, config, tokenizer, Path(run.output_dir).name)  # a checkpoint of another template mode
+    accelerator.print(f"[{Path(run.output_dir).name}] training engine: {engines.describe(accelerator)}")
+    return model, optimizer, scheduler, saved, state, logger
+
+
+def _evaluate_into(record: dict, accelerator, task, model, eval_examples: list, micro: int, timer) -> dict:
+    """The held-out metrics, added to the step's ``record`` with ``time/eval`` (after the step: not part of
+    ``time/step``); returns them."""
+    t_eval = time.perf_counter()
+    eval_metrics = evaluate_offline(accelerator, task, model, eval_examples, micro)
+    timer.seconds.clear()  # the task's phases inside the evaluation belong to time/eval
+    record.update(eval_metrics)
+    record["time/eval"] = time.perf_counter() - t_eval
+    return eval_metrics
 
 
 def checkpoint_due(run: RunConfig, done: int, total_steps: int) -> bool:

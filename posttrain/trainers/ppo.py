@@ -42,7 +42,7 @@ from posttrain.core import (
 from posttrain.data import DataConfig
 from posttrain.models import ModelConfig, check_reward_critic, load_policy, load_reward_model, sequence_scores
 from posttrain.monitor import AlertConfig, EvalConfig
-from posttrain.rewards import RewardComposer, RewardSpec, unpad
+from posttrain.rewards import RewardComposer, RewardSpec, score_rollout
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams
 from posttrain.trainers import engines
 from posttrain.trainers.config import (
@@ -296,13 +296,7 @@ class PPOTrainer(OnlineTrainer):
                 self.accelerator, len(rm)
             )
         if self.reward_functions is not None:
-            out = self.reward_functions(
-                rollout.prompts,
-                rollout.responses,
-                columns,
-                unpad(rollout.prompt_ids, rollout.prompt_mask),
-                unpad(rollout.response_ids, rollout.response_mask),
-            )
+            out = score_rollout(self.reward_functions, rollout, columns)
             metrics.update(out.metrics())
             scores += torch.nan_to_num(out.total, nan=0.0).to(device)  # PPO has no group: unscored rows add 0
         if cfg.missing_eos_penalty is not None:  # looks at the response only: truncated = no EOS in it

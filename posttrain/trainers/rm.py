@@ -313,6 +313,30 @@ class RMEvalConfig:
             raise ValueError(f"center_coef must be >= 0, got {self.center_coef}")
 
 
+def _length_bias(examples, starts: list[int], scores: list[float], lengths: list[int]) -> dict:
+    """``length_corr``, ``pairs_tied`` and ``accuracy_better_longer`` / ``_shorter`` (with their pair counts) of
+    the flat ``scores`` and ``lengths`` of every response; ``starts[k]``: the first response of ranking k."""
+    metrics: dict[str, float] = {}
+    if len(set(lengths)) > 1 and len(set(scores)) > 1:
+        metrics["eval/length_corr"] = float(torch.corrcoef(torch.tensor([scores, lengths], dtype=torch.float64))[0, 1])
+    by_length = {"longer": [0, 0], "shorter": [0, 0]}  # [pairs in order, pairs]
+    tied = 0
+    for example, first in zip(examples, starts, strict=False):
+        for i, j in torch.stack(ranking_pairs(len(example.response_ids))).T.tolist():
+            better, worse = first + i, first + j
+            tied += scores[better] == scores[worse]
+            if lengths[better] != lengths[worse]:
+                kind = by_length["longer" if lengths[better] > lengths[worse] else "shorter"]
+                kind[0] += scores[better] > scores[worse]
+                kind[1] += 1
+    metrics["eval/pairs_tied"] = tied
+    for kind, (correct, pairs) in by_length.items():
+        if pairs:
+            metrics[f"eval/accuracy_better_{kind}"] = correct / pairs
+            metrics[f"eval/pairs_better_{kind}"] = pairs
+    return metrics
+
+
 def evaluate(config: RMEvalConfig, log=print) -> dict:
     """Score every response of ``config.data`` with the reward model; the ``eval/`` metrics.
 
@@ -362,26 +386,10 @@ def evaluate(config: RMEvalConfig, log=print) -> dict:
     metrics["eval/rows_read"], metrics["eval/rows_truncated"] = report.rows, report.truncated
     metrics["eval/rows_dropped"] = report.rows - report.kept
     lengths = [len(r) for e in examples for r in e.response_ids]
-    if len(set(lengths)) > 1 and len(set(scores)) > 1:
-        metrics["eval/length_corr"] = float(torch.corrcoef(torch.tensor([scores, lengths], dtype=torch.float64))[0, 1])
     starts = [0]
     for example in examples:
         starts.append(starts[-1] + len(example.response_ids))
-    by_length = {"longer": [0, 0], "shorter": [0, 0]}  # [pairs in order, pairs]
-    tied = 0
-    for example, first in zip(examples, starts, strict=False):
-        for i, j in torch.stack(ranking_pairs(len(example.response_ids))).T.tolist():
-            better, worse = first + i, first + j
-            tied += scores[better] == scores[worse]
-            if lengths[better] != lengths[worse]:
-                kind = by_length["longer" if lengths[better] > lengths[worse] else "shorter"]
-                kind[0] += scores[better] > scores[worse]
-                kind[1] += 1
-    metrics["eval/pairs_tied"] = tied
-    for kind, (correct, pairs) in by_length.items():
-        if pairs:
-            metrics[f"eval/accuracy_better_{kind}"] = correct / pairs
-            metrics[f"eval/pairs_better_{kind}"] = pairs
+    metrics.update(_length_bias(examples, starts, scores, lengths))
     if config.output_dir:
         out = Path(config.output_dir)
         out.mkdir(parents=True, exist_ok=True)
