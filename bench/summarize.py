@@ -30,11 +30,16 @@ def matmul_params(config: dict, head: bool = True) -> int:
     return layers * per_layer + (h * config["vocab_size"] if head else h)
 
 
-def flops_per_step(bench: str, config: dict) -> float:
+def flops_per_step(bench: str, config: dict, posttrain_run: dict) -> float:
+    """The tokens come from posttrain's run (the same rows on both sides): 7 prompt tokens with the
+    character tokenizer, 6 with SmolLM2's; 66 tokens a preference sequence, 65."""
     if bench.startswith("grpo"):
         batch, length = (64, 64) if bench == "grpo_large" else (16, 32)
-        return 10 * matmul_params(config) * batch * (7 + length)
-    tokens = 16 * 66
+        tokens = posttrain_run.get("prompt_tokens_per_step", 7 * batch) + posttrain_run.get(
+            "completion_tokens_per_step", length * batch
+        )
+        return 10 * matmul_params(config) * tokens
+    tokens = posttrain_run.get("tokens_per_step", 16 * 66)
     return 8 * matmul_params(config) * tokens if bench == "dpo" else 6 * matmul_params(config, head=False) * tokens
 
 
@@ -79,7 +84,7 @@ def main() -> None:
             if calib[(bench, size)]
             else float("nan")
         )
-        flops = flops_per_step(bench, config) / 1e9
+        flops = flops_per_step(bench, config, pt[rounds[-1]]) / 1e9
         print(
             f"| {bench} | {size} | {t:.3f} | {p:.3f} | **{ratio:.2f}** | {cpu_t:.3f} → {cpu_p:.3f} | {cpu_ratio:.2f}"
             f" | {len(rounds)} | {rss_t:.0f} → {rss_p:.0f} |"
