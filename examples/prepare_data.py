@@ -2,10 +2,11 @@
 
     .venv/bin/python examples/prepare_data.py
 
-writes runs/tiny/{policy,reward} (offline, from seed 0); synthetic data under runs/data/ (sums for SFT and
-RL, a noisy-demonstrator variant, vowel pairs and rankings); runs/data/hh_rlhf.jsonl (the HH-RLHF
-harmless-base pairs shipped in posttrain/data/samples, split into prompt / chosen / rejected) and the GSM8K
-prompts (the shipped 300-row samples of each split).
+writes runs/tiny/{policy,reward} (offline, from seed 0) and runs/tiny/teacher (wider, deeper, seed 1);
+synthetic data under runs/data/ (sums for SFT and RL, a noisy-demonstrator variant, all 100 single-digit
+sums, right / wrong single-digit sums as pairs and as KTO's unpaired rows, vowel pairs and rankings);
+runs/data/hh_rlhf.jsonl (the HH-RLHF harmless-base pairs shipped in posttrain/data/samples, split into
+prompt / chosen / rejected) and the GSM8K prompts (the shipped 300-row samples of each split).
 """
 
 import json
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 from posttrain.data import load_gsm8k, load_hh_rlhf
-from posttrain.data.synthetic import arithmetic_sft, vowel_pairs, vowel_rankings
+from posttrain.data.synthetic import arithmetic_pairs, arithmetic_sft, unpaired, vowel_pairs, vowel_rankings
 from posttrain.models.tiny import build_tiny
 
 
@@ -27,16 +28,27 @@ def main(root: str = "runs") -> None:
     root = Path(root)
     for kind, name in (("causal", "policy"), ("reward", "reward")):
         print(f"wrote {build_tiny(root / 'tiny' / name, kind=kind, seed=0)}")
+    # a wider and deeper tiny Llama (same tokenizer): the teacher of distill_digits.yaml
+    teacher = build_tiny(root / "tiny" / "teacher", hidden_size=256, intermediate_size=512, num_hidden_layers=4, seed=1)
+    print(f"wrote {teacher}")
     write(root / "data" / "arith_sft.jsonl", arithmetic_sft(2000, seed=0))
     write(
         root / "data" / "arith_prompts.jsonl",
         [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(500, seed=1)],
     )
     write(root / "data" / "digit_sft_noisy.jsonl", arithmetic_sft(2000, seed=0, low=0, high=9, noise=0.5))
+    write(root / "data" / "digit_sft.jsonl", arithmetic_sft(2000, seed=0, low=0, high=9))
+    write(
+        root / "data" / "digit_all_sums.jsonl",
+        [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)],
+    )
     write(
         root / "data" / "digit_prompts.jsonl",
         [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(300, seed=1, low=0, high=9)],
     )
+    digit_pairs = arithmetic_pairs(1000, seed=2, low=0, high=9)  # the right sum chosen, one off by one rejected
+    write(root / "data" / "digit_pairs.jsonl", digit_pairs)
+    write(root / "data" / "digit_unpaired.jsonl", unpaired(digit_pairs))  # the same, as KTO's labelled rows
     write(root / "data" / "rank_prompts.jsonl", [{"prompt": "rank:"}] * 64)
     write(root / "data" / "vowel_pairs.jsonl", vowel_pairs(2000, seed=0))
     write(root / "data" / "vowel_rankings.jsonl", vowel_rankings(1000, k=4, seed=0))

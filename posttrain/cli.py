@@ -3,6 +3,8 @@
 posttrain sft --config examples/sft_tiny.yaml run.max_steps=50 optim.lr=1e-4
 posttrain rm  --config examples/rm_tiny.yaml
 posttrain dpo --help          # every option, its default and its doc
+posttrain dpo --config examples/dpo_simpo_digits.yaml   # SimPO (dpo_orpo_digits.yaml: ORPO), reference-free
+posttrain kto --config examples/kto_digits.yaml   # unpaired {prompt, completion, label} rows
 posttrain tiny --out runs/tiny   # build the tiny offline models the examples use
 posttrain eval --model runs/grpo/final/policy --data prompts.jsonl --rewards posttrain.rewards.builtin:exact_answer
 posttrain eval --model runs/rm/final/reward --data held_out_pairs.jsonl   # a reward model: accuracy, length bias
@@ -25,9 +27,20 @@ from posttrain import __version__
 TRAINERS = {
     "sft": ("posttrain.trainers.sft", "SFTConfig", "supervised fine-tuning on completion tokens"),
     "rm": ("posttrain.trainers.rm", "RMConfig", "reward model from preference pairs or K-way rankings"),
-    "dpo": ("posttrain.trainers.dpo", "DPOConfig", "direct preference optimization"),
+    "dpo": ("posttrain.trainers.dpo", "DPOConfig", "direct preference optimization (and SimPO, ORPO)"),
+    "kto": ("posttrain.trainers.kto", "KTOConfig", "KTO on unpaired desirable / undesirable completions"),
     "ppo": ("posttrain.trainers.ppo", "PPOConfig", "RLHF-PPO: policy, reference, reward model and critic"),
     "grpo": ("posttrain.trainers.grpo", "GRPOConfig", "GRPO and its variants (DAPO, Dr. GRPO, RLOO, REINFORCE++)"),
+    "online-dpo": (
+        "posttrain.trainers.online_dpo",
+        "OnlineDPOConfig",
+        "online DPO: pairs the policy samples, ranked by rewards, a reward model or a judge",
+    ),
+    "distill": (
+        "posttrain.trainers.distill",
+        "DistillConfig",
+        "on-policy distillation from a frozen teacher (reverse KL, GKD's generalized JSD)",
+    ),
 }
 
 

@@ -51,6 +51,7 @@ def _faults_per_step(keep: bool) -> float:
     return float(done.stdout.split()[-1])
 
 
+@pytest.mark.slow  # `make test-slow`: outside `make test`, which holds to 15 minutes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_a_kept_heap_saves_the_page_faults_of_every_step():
     """Measured here: ~1,800-2,150 page faults per step with glibc's defaults, 1-200 with the heap kept."""

@@ -42,7 +42,7 @@ def test_k1_in_the_loss_is_refused_with_the_reason():
     assert load_config(GRPOConfig, None, GRPO_BASE + ["kl_estimator=k1", "kl_coef=0"]).kl_coef == 0  # no KL at all
 
 
-@pytest.mark.parametrize("preset", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("preset", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
 def test_presets_resolve_alike_from_python_and_yaml(preset):
     """Item 14: ``GRPOConfig(preset=...)`` from Python takes the preset's knobs as YAML does, an explicit
     setting wins in both, and the report says which knobs were overridden and nothing else."""
@@ -57,10 +57,31 @@ def test_presets_resolve_alike_from_python_and_yaml(preset):
     for key, value in GRPOConfig.PRESETS[preset].items():
         assert getattr(from_python, key) == (0.1 if key == "clip_low" else value), key
     report = from_python.preset_report()
-    assert report.count("overridden") == 1 and "clip_low=0.1 (preset 0.2, overridden)" in report
+    preset_clip = GRPOConfig.PRESETS[preset]["clip_low"]
+    assert report.count("overridden") == 1 and f"clip_low=0.1 (preset {preset_clip}, overridden)" in report
     assert dataclasses.replace(from_python, num_iterations=2).clip_low == 0.1  # replace keeps what was resolved
     with pytest.raises(ValueError, match="preset must be one of"):
         GRPOConfig(preset="ppo")
+
+
+def test_policy_loss_is_checked_at_start_naming_the_field_and_the_choices():
+    """A misspelt policy loss names the field and the choices; GSPO's one ratio per response is refused
+    where advantages differ per token (reinforce++, PPO's GAE) with the way out; CISPO's weight may go
+    without a lower bound (clip_low ≥ 1), PPO's ratio clip may not."""
+    allowed = r"\('ppo', 'gspo', 'gspo-token', 'cispo'\)"
+    with pytest.raises(ValueError, match=rf"policy_loss must be one of {allowed}, got 'gpso'"):
+        load_config(GRPOConfig, None, GRPO_BASE + ["policy_loss=gpso"])
+    with pytest.raises(ValueError, match=r"policy_loss=gspo .*reinforce\+\+.*use policy_loss=gspo-token"):
+        load_config(GRPOConfig, None, GRPO_BASE + ["policy_loss=gspo", "advantage_estimator=reinforce++"])
+    assert load_config(GRPOConfig, None, GRPO_BASE + ["policy_loss=gspo-token", "advantage_estimator=reinforce++"])
+    ppo_base = ["model.path=m", "data.path=d", EXACT, "critic=policy"]
+    with pytest.raises(ValueError, match=r"policy_loss=gspo .*GAE.*use policy_loss=gspo-token"):
+        load_config(PPOConfig, None, ppo_base + ["policy_loss=gspo"])
+    assert load_config(PPOConfig, None, ppo_base + ["policy_loss=cispo", "clip_low=5"]).clip_low == 5
+    with pytest.raises(ValueError, match=r"clip_low must be in \(0, 1\) .*policy_loss=ppo, got clip_low=1.0"):
+        load_config(PPOConfig, None, ppo_base + ["clip_low=1.0"])
+    with pytest.raises(ValueError, match=r"clip_low must be > 0 \(≥ 1: no lower bound"):
+        load_config(GRPOConfig, None, GRPO_BASE + ["policy_loss=cispo", "clip_low=0"])
 
 
 def _online_files(tmp_path):

@@ -10,9 +10,12 @@ from posttrain.core import (
     AGGREGATION_MODES,
     DPO_KINDS,
     KL_ESTIMATORS,
+    POLICY_LOSSES,
     aggregate_loss,
+    cispo_policy_loss,
     dpo_loss,
     gae,
+    gspo_policy_loss,
     kl_penalty,
     masked_mean,
     masked_whiten,
@@ -51,6 +54,13 @@ def _cases():
             lambda m, lp, old, ref: ppo_policy_loss(lp, old, adv_b, m, ref_logprobs=ref, kl_coef=0.1)[0],
             3,
         ),
+        "gspo": (lambda m, lp, old: gspo_policy_loss(lp, old, adv_b, m, 0.2)[0], 2),
+        "gspo_token_adv": (lambda m, lp, old, a: gspo_policy_loss(lp, old, a, m, 0.2, token_level=True)[0], 3),
+        "cispo_token_adv": (lambda m, lp, old, a: cispo_policy_loss(lp, old, a, m, 0.2)[0], 3),
+        "cispo_kl_in_loss": (
+            lambda m, lp, old, ref: cispo_policy_loss(lp, old, adv_b, m, 0.2, ref_logprobs=ref, kl_coef=0.1)[0],
+            3,
+        ),
     }
     for mode in AGGREGATION_MODES:
         cases[f"aggregate_{mode}"] = (lambda m, x, mode=mode: aggregate_loss(x, m, mode), 1)
@@ -70,6 +80,9 @@ def test_garbage_at_masked_positions_changes_nothing(name, garbage):
     out_clean.backward()
     out_dirty.backward()
     for c, d in zip(clean, dirty, strict=True):
+        if c.grad is None:  # an input behind a stop-gradient (GSPO-token's, CISPO's old log-probs)
+            assert d.grad is None
+            continue
         assert torch.isfinite(d.grad).all(), f"{name}: non-finite gradient with {garbage} at padding"
         assert_close(d.grad, c.grad)
         assert (d.grad[mask == 0] == 0).all()
@@ -122,19 +135,44 @@ def test_ppo_empty_mask_is_finite_zero():
     assert all(torch.isfinite(v) for v in stats.values())
 
 
+@pytest.mark.parametrize("name", list(POLICY_LOSSES))
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_every_policy_loss_on_policy_has_ratio_one_and_the_ppo_gradient(name, mode):
+    """π = π_old: every ratio is exactly 1 and nothing is clipped (docs/pitfalls.md #4), and the gradient is
+    the plain policy gradient, the same for every policy loss in every aggregation (GSPO: s_i = 1 and
+    ∂s_i/∂logπ_t = 1/|y_i| on each of the |y_i| tokens; CISPO: weight 1 on ∇logπ). An empty mask gives 0."""
+    mask, rand = _batch()
+    old = 0.3 * rand()
+    adv_b = torch.tensor([1.0, -0.5, 2.0, 0.3], dtype=torch.float64)
+    for adv in (adv_b, rand()) if name != "gspo" else (adv_b,):  # gspo takes one advantage per response
+        lp = old.clone().requires_grad_()
+        loss, stats = POLICY_LOSSES[name](lp, old, adv, mask, 0.2, None, mode, norm_length=T)
+        assert stats["ratio_max"].item() == stats["ratio_min"].item() == 1.0 and stats["clipfrac"].item() == 0.0
+        lp_ppo = old.clone().requires_grad_()
+        ppo, _ = ppo_policy_loss(lp_ppo, old, adv, mask, 0.2, None, mode, norm_length=T)
+        assert_close(torch.autograd.grad(loss, lp)[0], torch.autograd.grad(ppo, lp_ppo)[0])
+    empty = torch.zeros(2, 3)
+    loss, stats = POLICY_LOSSES[name](torch.full((2, 3), float("nan")), torch.zeros(2, 3), torch.ones(2), empty)
+    assert loss.item() == 0.0
+    assert all(torch.isfinite(v) for v in stats.values())
+
+
+@pytest.mark.parametrize("name", list(POLICY_LOSSES))
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batches_recombined_with_counts_match_full_batch(mode):
+def test_micro_batches_recombined_with_counts_match_full_batch(mode, name):
     """Normalising each micro-batch by the global count makes the sum of their losses, and so the
-    accumulated gradient, identical to one full-batch step (docs/pitfalls.md #1)."""
+    accumulated gradient, identical to one full-batch step (docs/pitfalls.md #1), for every policy loss."""
     mask, rand = _batch()
     lp, old, adv = rand().requires_grad_(), rand(), rand()
-    full, _ = ppo_policy_loss(lp, old, adv, mask, agg=mode)
+    policy_loss = POLICY_LOSSES[name]
+    full, _ = policy_loss(lp, old, adv, mask, 0.2, None, mode)
     (full_grad,) = torch.autograd.grad(full, lp)
+    assert full_grad.abs().sum() > 0
 
     total_tokens = mask.sum()
     accumulated = torch.zeros((), dtype=lp.dtype)
     for rows in ([0], [1, 2], [3]):
-        mb_loss, _ = ppo_policy_loss(lp[rows], old[rows], adv[rows], mask[rows], agg=mode)
+        mb_loss, _ = policy_loss(lp[rows], old[rows], adv[rows], mask[rows], 0.2, None, mode)
         if mode == "token-mean":
             weight = mask[rows].sum().item() / total_tokens.item()
         else:  # Σ x / (B_mb·T) → Σ x / (B·T)
@@ -178,6 +216,21 @@ def test_gradcheck_ppo_policy_loss(kl_estimator):
 
     def f(lp):
         return ppo_policy_loss(lp, old, adv, mask, ref_logprobs=ref, kl_coef=0.3, kl_estimator=kl_estimator)[0]
+
+    assert torch.autograd.gradcheck(f, (lp,))
+
+
+def test_gradcheck_gspo():
+    """GSPO's gradient is its value's derivative; GSPO-token's and CISPO's are not, by design (stop-gradients
+    in the value), and tests/test_core_values.py works theirs out by hand."""
+    mask, _ = _batch()
+    lp = _gradcheck_inputs((B, T), 0)
+    # old log-probs away from the clip edges, so the loss is differentiable where it is checked
+    old = (lp + 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(9), dtype=torch.float64)).detach()
+    ref, adv = _gradcheck_inputs((B, T), 2).detach(), _gradcheck_inputs((B,), 3).detach()
+
+    def f(lp):
+        return gspo_policy_loss(lp, old, adv, mask, 0.02, None, "seq-mean-token-mean", ref, 0.3)[0]
 
     assert torch.autograd.gradcheck(f, (lp,))
 

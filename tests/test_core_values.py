@@ -8,10 +8,12 @@ from helpers import assert_close
 
 from posttrain.core import (
     aggregate_loss,
+    cispo_policy_loss,
     dpo_loss,
     entropy_from_logits,
     gae,
     group_advantages,
+    gspo_policy_loss,
     kl_penalty,
     masked_mean,
     masked_whiten,
@@ -202,6 +204,82 @@ def test_ppo_policy_loss_kl_in_loss():
         logprobs, logprobs, torch.tensor([1.0]), mask, ref_logprobs=ref, kl_coef=0.1, kl_estimator="k1"
     )
     assert_close(loss_k1, (-1 + 0.1 * 1 - 1 + 0) / 2)
+
+
+def _gspo_case():
+    """Two responses, T = 3, in float64: row 0 has 2 tokens with log-ratios 0.1, 0.3 (and 9.0 at its
+    padding), row 1 has 3 with −0.2, 0.1, −0.2; A = (+1, −2)."""
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -1.0]], dtype=torch.float64)
+    log_ratio = torch.tensor([[0.1, 0.3, 9.0], [-0.2, 0.1, -0.2]], dtype=torch.float64)
+    return mask, (old + log_ratio).requires_grad_(), old, torch.tensor([1.0, -2.0], dtype=torch.float64)
+
+
+def test_gspo_policy_loss_by_hand():
+    mask, logprobs, old, adv = _gspo_case()
+    # s_0 = exp((0.1 + 0.3) / 2) = e^0.2 = 1.2214 > 1.2 with A_0 = +1: max(−1.2214, −1.2) = −1.2, clipped (no gradient)
+    # s_1 = exp((−0.2 + 0.1 − 0.2) / 3) = e^−0.1 = 0.9048, inside [0.8, 1.2], A_1 = −2: ℓ_1 = 2·s_1
+    s0, s1 = math.exp(0.2), math.exp(-0.1)
+    loss, stats = gspo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, "seq-mean-token-mean")
+    assert_close(loss, (-1.2 + 2 * s1) / 2)  # the paper's (1/G) Σ_i
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    # ∂(2·s_1)/∂logπ_t = 2·s_1/3 on each of row 1's tokens, times 1/2 (two rows)
+    assert_close(grad, torch.tensor([[0.0, 0.0, 0.0], [s1 / 3] * 3], dtype=torch.float64))
+    assert_close(stats["clipfrac"], 2 / 5)  # row 0's 2 tokens of the 5
+    assert_close(stats["ratio_max"], s0)
+    assert_close(stats["ratio_min"], s1)
+    assert_close(stats["ratio_mean"], (2 * s0 + 3 * s1) / 5)
+    # token-mean weighs row i by its |y_i| tokens: (2·(−1.2) + 3·2·s_1) / 5, and row 1's tokens get 3·(2·s_1/3)/5
+    loss_tm, _ = gspo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, "token-mean")
+    assert_close(loss_tm, (2 * -1.2 + 3 * 2 * s1) / 5)
+    (grad_tm,) = torch.autograd.grad(loss_tm, logprobs)
+    assert_close(grad_tm[1], torch.full((3,), 2 * s1 / 5, dtype=torch.float64))
+
+
+def test_gspo_token_equals_gspo_with_sequence_advantages_and_takes_token_advantages():
+    mask, logprobs, old, adv = _gspo_case()
+    s1 = math.exp(-0.1)
+    for agg in ("seq-mean-token-mean", "token-mean"):
+        seq, seq_stats = gspo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, agg)
+        tok, tok_stats = gspo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, agg, token_level=True)
+        assert_close(tok, seq)
+        assert_close(torch.autograd.grad(tok, logprobs)[0], torch.autograd.grad(seq, logprobs)[0])
+        assert_close(tok_stats["clipfrac"], seq_stats["clipfrac"])
+    # per-token advantages, row 1: A = (−2, +1, −2): ℓ_{1,t} = −A_t·s_1 (s_1 inside the clip range) → mean s_1;
+    # row 0 stays clipped at −1.2; each token's gradient is −A_t·s_1 / 3 / 2, its own advantage's
+    token_adv = torch.tensor([[1.0, 1.0, 7.0], [-2.0, 1.0, -2.0]], dtype=torch.float64)
+    loss, _ = gspo_policy_loss(logprobs, old, token_adv, mask, 0.2, 0.2, "seq-mean-token-mean", token_level=True)
+    assert_close(loss, (-1.2 + s1) / 2)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert_close(grad[1], torch.tensor([2 * s1, -s1, 2 * s1], dtype=torch.float64) / 6)
+    assert_close(grad[0], torch.zeros(3, dtype=torch.float64))
+
+
+def test_cispo_policy_loss_by_hand_clipped_tokens_keep_their_gradient():
+    ratios = torch.tensor([[1.5, 0.5, 1.1, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, float("nan")]], dtype=torch.float64).requires_grad_()
+    old = logprobs.detach() - ratios.log()
+    adv = torch.tensor([[1.0, -1.0, 2.0, 5.0]], dtype=torch.float64)
+    loss, stats = cispo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, "token-mean")
+    # ŵ = clip(r, 0.8, 1.2) = 1.2, 0.8, 1.1; ℓ_t = −ŵ·A·logπ = −1.2·1·(−1) = 1.2, −0.8·(−1)·(−2) = −1.6,
+    # −1.1·2·(−0.5) = 1.1; token-mean over 3 tokens
+    assert_close(loss, (1.2 - 1.6 + 1.1) / 3)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    # every token trains, the two clipped ones included: ∂ℓ_t/∂logπ_t = −ŵ_t·A_t, over 3 tokens
+    assert_close(grad, torch.tensor([[-1.2 * 1, -0.8 * -1, -1.1 * 2, 0.0]], dtype=torch.float64) / 3)
+    assert_close(stats["clipfrac"], 2 / 3)  # weights clipped at t = 0 and 1; those tokens still train
+    assert_close(stats["ratio_max"], 1.5)
+    assert_close(stats["ratio_min"], 0.5)
+    # PPO on the same tokens drops the clipped ones (r = 1.5 with A > 0, r = 0.5 with A < 0: gradient 0)
+    # and gives the unclipped one −A·r/3, CISPO's −ŵ·A/3
+    ppo, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, "token-mean")
+    (ppo_grad,) = torch.autograd.grad(ppo, logprobs)
+    assert_close(ppo_grad, torch.tensor([[0.0, 0.0, -2 * 1.1 / 3, 0.0]], dtype=torch.float64))
+    # clip_low ≥ 1: no lower bound (MiniMax's setting), so the weight at t = 1 is r = 0.5: ℓ_1 = −0.5·(−1)·(−2) = −1
+    loss_nl, stats_nl = cispo_policy_loss(logprobs, old, adv, mask, 1.0, 0.2, "token-mean")
+    assert_close(loss_nl, (1.2 - 1.0 + 1.1) / 3)
+    assert_close(stats_nl["clipfrac"], 1 / 3)
 
 
 def test_value_loss_by_hand():

@@ -11,8 +11,9 @@ import pytest
 from helpers import assert_adam_trained_alike
 from safetensors.torch import load_file
 
-from posttrain.data.synthetic import arithmetic_sft, vowel_pairs
+from posttrain.data.synthetic import arithmetic_sft, unpaired, vowel_pairs
 from posttrain.trainers.metrics import read_metrics
+from posttrain.trainers.online import PromptSampler
 
 DRIVER = Path(__file__).parent / "ddp_driver.py"
 
@@ -25,12 +26,14 @@ def _jsonl(path, rows):
 def _runs(tiny_dir, tmp_path, setting: str) -> dict[str, tuple[str, list[str], list[str]]]:
     """{name: (kind, overrides, saved files)}: 2 steps each, global batch 8, greedy sampling for PPO/GRPO
     (each process samples its own prompts: only a deterministic sampler gives both settings the same
-    responses), prompts of one length (no padding differences between the two splits)."""
+    responses; online DPO and distillation sample at τ = 1, each prompt from an RNG seeded by the prompt:
+    ``ddp_driver.prompt_keyed_sampling``), prompts of one length (no padding differences between the two splits)."""
     policy, reward = str(tiny_dir / "policy"), str(tiny_dir / "reward")
     sft_data = _jsonl(
         tmp_path / "sft.jsonl", [{"prompt": f"{i}+{i}=", "completion": "x" * (1 + i % 5)} for i in range(32)]
     )
     pairs = _jsonl(tmp_path / "pairs.jsonl", vowel_pairs(32, seed=0))
+    labelled = _jsonl(tmp_path / "unpaired.jsonl", unpaired(vowel_pairs(16, seed=0)))
     prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in arithmetic_sft(32, seed=1)])
     common = [
         "run.max_steps=2",
@@ -46,6 +49,8 @@ def _runs(tiny_dir, tmp_path, setting: str) -> dict[str, tuple[str, list[str], l
         "sft": ("sft", [f"model.path={policy}", f"data.path={sft_data}"], ["policy/model.safetensors"]),
         "rm": ("rm", [f"model.path={policy}", f"data.path={pairs}"], ["reward/model.safetensors"]),
         "dpo": ("dpo", [f"model.path={policy}", f"data.path={pairs}"], ["policy/model.safetensors"]),
+        # KTO's reference point z0 comes from the mismatched pairs of both processes' halves of the batch
+        "kto": ("kto", [f"model.path={policy}", f"data.path={labelled}"], ["policy/model.safetensors"]),
         "grpo": (
             "grpo",
             [
@@ -62,6 +67,35 @@ def _runs(tiny_dir, tmp_path, setting: str) -> dict[str, tuple[str, list[str], l
             ["policy/model.safetensors"],
         ),
     }
+    sampled = [*(o for o in online if not o.startswith("sampling.temperature")), "sampling.temperature=1"]
+    # pairs=all of 4 responses to one prompt per process: up to 6 pairs each, in micro-batches of 2 pairs
+    runs["online_dpo"] = (
+        "online_dpo",
+        [f"model.path={policy}", *sampled, f"rewards=[{{function: '{DRIVER}:character_sum'}}]"]
+        + ["num_generations=4", "pairs=all"],
+        ["policy/model.safetensors"],
+    )
+    # best_worst of 2 responses to 2 prompts per process; ties forced so that one process holds 2 pairs and
+    # the other 0 at step 1, 1 and 2 at step 2 (``_tied_prompts``): the short one pads with weight-0 pairs
+    tied = _jsonl(tmp_path / "tied.jsonl", _tied_prompts())
+    tie_reward = f"rewards=[{{function: '{DRIVER}:character_sum_unless_tied'}}]"
+    runs["online_dpo_padded"] = (
+        "online_dpo",
+        [f"model.path={policy}", *sampled, f"data.path={tied}", tie_reward, "num_generations=2"],
+        ["policy/model.safetensors"],
+    )
+    teacher = f"teacher.path={tiny_dir / 'qwen2'}"  # the same tokenizer, another architecture and seed
+    runs["distill"] = (
+        "distill",
+        [f"model.path={policy}", teacher, *sampled, "num_generations=2"],
+        ["policy/model.safetensors"],
+    )
+    # one response per process: score/std is over both processes' responses, not each one's
+    runs["distill_jsd"] = (
+        "distill",
+        [f"model.path={policy}", teacher, *sampled, "loss=jsd", "run.batch_size=2"],
+        ["policy/model.safetensors"],
+    )
     # a LoRA policy whose reference is the same weights with the adapter off (the cheap path)
     lora = "model.lora={r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj]}"
     runs["grpo_lora"] = ("grpo", [*runs["grpo"][1], lora], ["policy/adapter_model.safetensors"])
@@ -103,9 +137,34 @@ def test_every_trainer_and_critic_on_two_processes_matches_one_process(tiny_dir,
             assert len(norms[1]) == 2, (name, key)  # only the main process logs
             assert norms[0] == pytest.approx(norms[1], rel=1e-5), (name, key)
             assert all(n > 0 for n in norms[0]), (name, key)  # a real gradient to synchronise
+        # the metrics summed or gathered over processes: both processes' rows, not rank 0's alone (KTO: the
+        # KL estimate behind z0 from the mismatched pairs)
+        for key in SUMMED.get(name, ()):
+            values = [[r[key] for r in read_metrics(tmp_path / d / name)] for d in ("one", "two")]
+            assert values[0] == pytest.approx(values[1], rel=1e-5, abs=1e-9) and values[0][1] != 0, (name, key, values)
+    # the padded run really held 2 and 0 pairs at step 1, 1 and 2 at step 2 (no natural tie besides)
+    padded = read_metrics(tmp_path / "two" / "online_dpo_padded")
+    assert [(r["pairs/count"], r["pairs/tied_prompts"]) for r in padded] == [(2, 2), (3, 1)], padded
 
 
 LR = 1e-4  # the runs' optim.lr
+SUMMED = {
+    "kto": ("kl",),
+    "online_dpo": ("pairs/count", "loss"),
+    "online_dpo_padded": ("pairs/count", "loss"),
+    "distill": ("distill/reverse_kl", "score/std", "policy/loss"),
+    "distill_jsd": ("distill/reverse_kl", "score/std", "policy/loss"),
+}
+"""{run: the logged metrics that are sums (or a gather) over the processes}."""
+
+
+def _tied_prompts() -> list[dict]:
+    """The prompts of ``_runs`` with a ``tie`` column: true for the two prompts process 1 samples at step 1
+    and the first prompt process 0 samples at step 2 (the order ``PromptSampler`` draws with seed 0, 4
+    prompts a step, the first half to process 0)."""
+    order = PromptSampler(32, seed=0).take(8)
+    tied = {order[2], order[3], order[4]}
+    return [{"prompt": r["prompt"], "tie": i in tied} for i, r in enumerate(arithmetic_sft(32, seed=1))]
 
 
 def updates(name: str) -> int:

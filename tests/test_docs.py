@@ -161,10 +161,16 @@ def _shown(value) -> str:
     return repr(value)
 
 
-def _rows(page: Path) -> dict[str, list[str]]:
-    """{knob: cells after the first} of every table row whose first cell is a code span."""
+def _rows(page: Path, section: str | None = None) -> dict[str, list[str]]:
+    """{knob: cells after the first} of every table row whose first cell is a code span (within the ``## ``
+    section whose heading starts with ``section``, when given)."""
     rows = {}
-    for line in page.read_text(encoding="utf-8").splitlines():
+    text = page.read_text(encoding="utf-8")
+    if section is not None:
+        text = text[text.index(f"\n## {section}") + 1 :]
+        end = text.find("\n## ")
+        text = text if end < 0 else text[:end]
+    for line in text.splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
         if cells and re.fullmatch(r"`[^`]+`", cells[0]):
             rows[cells[0].strip("`")] = [c.replace("\\|", "|") for c in cells[1:]]
@@ -172,19 +178,36 @@ def _rows(page: Path) -> dict[str, list[str]]:
 
 
 def _trainer_configs():
+    from posttrain.trainers.distill import DistillConfig
     from posttrain.trainers.dpo import DPOConfig
     from posttrain.trainers.grpo import GRPOConfig
+    from posttrain.trainers.kto import KTOConfig
+    from posttrain.trainers.online_dpo import OnlineDPOConfig
     from posttrain.trainers.ppo import PPOConfig
     from posttrain.trainers.rm import RMConfig
     from posttrain.trainers.sft import SFTConfig
 
-    return {"sft": SFTConfig, "reward_model": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig, "grpo": GRPOConfig}
+    return {
+        "sft": SFTConfig,
+        "reward_model": RMConfig,
+        "dpo": DPOConfig,
+        "ppo": PPOConfig,
+        "grpo": GRPOConfig,
+        "distill": DistillConfig,
+        "kto": KTOConfig,
+        "online_dpo": OnlineDPOConfig,
+    }
 
 
-@pytest.mark.parametrize("name", ["sft", "reward_model", "dpo", "ppo", "grpo"])
+# a trainer whose knobs are tabled in a section of another trainer's page: (page, section heading)
+SECTION_PAGES = {"kto": ("dpo", "KTO"), "online_dpo": ("dpo", "Online DPO")}
+
+
+@pytest.mark.parametrize("name", ["sft", "reward_model", "dpo", "ppo", "grpo", "distill", "kto", "online_dpo"])
 def test_algorithm_page_lists_every_knob_with_its_default(name):
     cls = _trainer_configs()[name]
-    rows = _rows(ROOT / "docs" / "algorithms" / f"{name}.md")
+    page, section = SECTION_PAGES.get(name, (name, None))
+    rows = _rows(ROOT / "docs" / "algorithms" / f"{page}.md", section)
     config = cls()
     problems = []
     for f in dataclasses.fields(cls):

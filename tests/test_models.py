@@ -319,6 +319,7 @@ def test_loaded_policy_checkpoints_gradients(tiny_dir, tmp_path, kind):
     assert len(calls) == 2  # the forward, and its recomputation in the backward
 
 
+@pytest.mark.slow  # `make test-slow`: outside `make test`, which holds to 15 minutes
 def test_is_peft_model_answers_without_importing_peft(tiny_dir):
     """Asking whether a plain model is a LoRA model must not import peft (~10 MiB of peak RSS, issue 13);
     a LoRA policy is still recognised (then peft is imported: it built the model)."""

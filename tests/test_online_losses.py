@@ -106,8 +106,8 @@ def _pad(rollout, T: int, pad_id: int):
 
 
 def _grads_of_update(trainer, rollout, inputs):
-    """The gradients of one PPO update (policy and critic), parameters restored afterwards."""
-    models = [trainer.actor.model, *trainer.critic.models_to_save().values()]
+    """The gradients of one update (PPO: policy and critic; GRPO: policy), parameters restored afterwards."""
+    models = list(trainer.models_to_save().values())
     saved = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
     trainer.update(0, rollout, *inputs)
     for model, state in zip(models, saved, strict=True):
@@ -144,6 +144,45 @@ def test_ppo_micro_batching_with_entropy_bonus_in_every_mode(files, mode):
         trainer.config.run.micro_batch_size = micro
         split = _grads_of_update(trainer, rollout, inputs)
         _assert_same_grads(whole, split, rtol=1e-4, atol=1e-6)
+
+
+def _off_policy(rollout, seed=0):
+    """Old log-probs 0.1·N(0, 1) away from the rollout's, so ratios spread around 1 and some clip."""
+    g = torch.Generator().manual_seed(seed)
+    return rollout.logprobs + 0.1 * torch.randn(rollout.logprobs.shape, generator=g)
+
+
+@pytest.mark.parametrize(
+    ("policy_loss", "mode"),
+    [("gspo", "seq-mean-token-mean"), ("gspo-token", "token-mean"), ("cispo", "seq-mean-token-sum-norm")],
+)
+def test_grpo_micro_batching_with_gspo_and_cispo(files, policy_loss, mode):
+    """GSPO, GSPO-token and CISPO off-policy (ratios ≠ 1, some clipped): 1 micro-batch of 8, 4 of 2 and
+    3 + 3 + 2 give the same gradient (a response's sequence ratio never spans micro-batches)."""
+    config = _grpo_config(files, f"policy_loss={policy_loss}", f"loss_agg={mode}", "clip_low=0.05")
+    trainer = GRPOTrainer(config)
+    trainer._grads = StepGrads(policy=trainer.actor.optimizer)
+    rollout = _varied_rollout(trainer)
+    advantages = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    inputs = (_off_policy(rollout), None, advantages, rollout.response_mask)
+    whole = _grads_of_update(trainer, rollout, inputs)
+    assert any(g.abs().sum() > 0 for g in whole["policy"])
+    for micro in (2, 3):
+        trainer.config.run.micro_batch_size = micro
+        _assert_same_grads(whole, _grads_of_update(trainer, rollout, inputs), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy_loss", ["gspo-token", "cispo"])
+def test_ppo_micro_batching_with_gspo_token_and_cispo(files, policy_loss):
+    """PPO's per-token GAE advantages through GSPO-token and CISPO: the same gradient for any micro-batches."""
+    trainer = _trainer_with_grads(_ppo(files, f"policy_loss={policy_loss}", "clip_low=0.05", "critic=policy"))
+    rollout = _varied_rollout(trainer)
+    _, old_values, advantages, returns, mask = _update_inputs(trainer, rollout)
+    inputs = (_off_policy(rollout), old_values, advantages, returns, mask)
+    whole = _grads_of_update(trainer, rollout, inputs)
+    for micro in (2, 3):
+        trainer.config.run.micro_batch_size = micro
+        _assert_same_grads(whole, _grads_of_update(trainer, rollout, inputs), rtol=1e-4, atol=1e-6)
 
 
 def test_ppo_seq_mean_token_sum_norm_divides_by_a_constant(files):
@@ -184,6 +223,25 @@ def test_fp16_scaler_unscales_each_optimizer_once(files, monkeypatch):
     got = _grads_of_update(scaled, rollout, inputs)
     assert scaled.accelerator.scaler.get_scale() == 2.0**12  # no overflow: every step was taken
     _assert_same_grads(expected, got, rtol=1e-5, atol=1e-8)
+
+
+def _grpo_config(files, *overrides) -> GRPOConfig:
+    base = [
+        f"model.path={files['policy']}",
+        f"data.path={files['prompts']}",
+        "data.chat_template=never",
+        f"run.output_dir={files['out'] / 'grpo'}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        f"rewards=[{{function: '{files['rewards']}:digit_sum'}}]",
+        "sampling.max_new_tokens=6",
+        "num_generations=2",
+        "run.batch_size=8",
+        "run.micro_batch_size=8",
+        "kl_coef=0",
+        "optim.max_grad_norm=null",
+    ]
+    return load_config(GRPOConfig, None, base + list(overrides))
 
 
 def _count_trained_rows(model):

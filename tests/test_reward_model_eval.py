@@ -96,6 +96,7 @@ def test_reward_model_eval_equals_each_response_scored_alone(tiny_dir, tmp_path,
         assert row["scores"] == pytest.approx(alone, abs=1e-5)
 
 
+@pytest.mark.slow  # `make test-slow`: outside `make test`, which holds to 15 minutes
 def test_posttrain_eval_of_a_reward_model_on_the_command_line(tiny_dir, tmp_path, rankings):
     """A reward model given to `posttrain eval` is evaluated on pairs; generation flags are refused."""
     assert is_reward_checkpoint(str(tiny_dir / "reward")) and not is_reward_checkpoint(str(tiny_dir / "policy"))
@@ -200,6 +201,7 @@ def test_the_centering_term_ties_and_the_training_runs_settings(tiny_dir, tmp_pa
     assert not any("used" in line for line in lines), lines
 
 
+@pytest.mark.slow  # `make test-slow`: outside `make test`, which holds to 15 minutes
 def test_posttrain_eval_names_a_wrong_path_first(tiny_dir, tmp_path, rankings):
     """New-user trial (fifth session): a mistyped --model said "at least one reward function is needed",
     and a missing --reward-model ended in three tracebacks."""

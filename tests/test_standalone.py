@@ -47,6 +47,7 @@ def test_no_file_refers_to_a_folder_beside_the_checkout():
     assert hits == []
 
 
+@pytest.mark.slow  # `make test-slow`: outside `make test`, which holds to 15 minutes
 def test_data_tests_and_prepare_data_run_from_a_bare_copy(tmp_path):
     copy = tmp_path / "clone"
     for name in _checkout_files():

@@ -343,6 +343,15 @@ def test_dpo_precomputed_reference_matches_frozen_copy(tiny_dir, tmp_path, loss)
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
 
 
+def test_dpo_precomputed_reference_pass_shows_its_progress(tiny_dir, tmp_path, capsys):
+    """On SmolLM2-135M the pass over 296 HH-RLHF pairs ran for half an hour with no output at all."""
+    train_dpo(_dpo_config(tiny_dir, tmp_path, "bar", "reference=precompute", "run.max_steps=1", "run.progress=true"))
+    err = capsys.readouterr().err
+    assert "[dpo] reference log-probs" in err and "0/64 [" in err  # the 64 pairs, counted as they go
+    train_dpo(_dpo_config(tiny_dir, tmp_path, "quiet", "reference=precompute", "run.max_steps=1"))
+    assert "reference log-probs" not in capsys.readouterr().err
+
+
 def test_dpo_lora_reference_is_adapter_off(tiny_dir, tmp_path):
     config = _dpo_config(
         tiny_dir,
@@ -368,7 +377,7 @@ def test_config_yaml_overrides_and_errors(tmp_path):
     assert config.run.report_to == ["jsonl", "tensorboard"]
     with pytest.raises(ValueError, match="unknown config key 'optim.lrr'"):
         load_config(DPOConfig, path, ["optim.lrr=1"])
-    with pytest.raises(ValueError, match=r"loss_type must be one of \('sigmoid', 'ipo', 'hinge'\)"):
+    with pytest.raises(ValueError, match=r"loss_type must be one of \('sigmoid', 'ipo', 'hinge', 'simpo', 'orpo'\)"):
         load_config(DPOConfig, path, ["loss_type=kto"])
     with pytest.raises(ValueError, match="run.batch_size must be an integer"):
         load_config(DPOConfig, path, ["run.batch_size=eight"])
@@ -376,6 +385,7 @@ def test_config_yaml_overrides_and_errors(tmp_path):
         load_config(DPOConfig, path, ["beta=0"])
 
 
+@pytest.mark.slow  # `make test-slow`: outside `make test`, which holds to 15 minutes
 def test_cli_runs_a_trainer_in_a_subprocess(tiny_dir, tmp_path):
     data = _jsonl(tmp_path / "sft.jsonl", arithmetic_sft(32, seed=0))
     config = tmp_path / "sft.yaml"
@@ -415,6 +425,12 @@ EXAMPLES = [
     "rm_vowels",
     "ppo_vowels",
     "grpo_digits",
+    "dpo_simpo_digits",
+    "dpo_orpo_digits",
+    "kto_digits",
+    "online_dpo_digits",
+    "distill_digits",
+    "sft_digits_teacher",
 ]
 
 
@@ -422,15 +438,21 @@ EXAMPLES = [
 def test_example_configs_are_valid(name):
     from pathlib import Path
 
+    from posttrain.trainers.distill import DistillConfig
     from posttrain.trainers.grpo import GRPOConfig
+    from posttrain.trainers.kto import KTOConfig
+    from posttrain.trainers.online_dpo import OnlineDPOConfig
     from posttrain.trainers.ppo import PPOConfig
 
     classes = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": PPOConfig, "grpo": GRPOConfig}
+    classes |= {"kto": KTOConfig, "online_dpo": OnlineDPOConfig, "distill": DistillConfig}
     path = Path(__file__).parent.parent / "examples" / f"{name}.yaml"
-    config = load_config(classes[name.split("_")[0]], path)
+    command = "online_dpo" if name.startswith("online_dpo") else name.split("_")[0]
+    config = load_config(classes[command], path)
     assert config.model.path.startswith("runs/") and config.data.path.startswith("runs/data/")
 
 
+@pytest.mark.slow  # `make test-slow`: outside `make test`, which holds to 15 minutes
 def test_demo_runs_end_to_end(tmp_path):
     from posttrain.demo import run_demo
 
@@ -459,7 +481,7 @@ def test_examples_run_as_written(tmp_path, monkeypatch):
     import importlib.util
     from pathlib import Path
 
-    from posttrain.trainers import dpo, grpo, ppo, rm, sft
+    from posttrain.trainers import distill, dpo, grpo, kto, online_dpo, ppo, rm, sft
 
     root = Path(__file__).parent.parent
     monkeypatch.chdir(tmp_path)
@@ -467,8 +489,10 @@ def test_examples_run_as_written(tmp_path, monkeypatch):
     prepare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prepare)
     prepare.main("runs")
-    modules = {"sft": sft, "rm": rm, "dpo": dpo, "ppo": ppo, "grpo": grpo}
+    modules = {"sft": sft, "rm": rm, "dpo": dpo, "ppo": ppo, "grpo": grpo, "kto": kto}
+    modules |= {"online_dpo": online_dpo, "distill": distill}
     classes = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "ppo": ppo.PPOConfig, "grpo": grpo.GRPOConfig}
+    classes |= {"kto": kto.KTOConfig, "online_dpo": online_dpo.OnlineDPOConfig, "distill": distill.DistillConfig}
     order = [
         "sft_tiny",
         "rm_rankings_tiny",
@@ -477,12 +501,18 @@ def test_examples_run_as_written(tmp_path, monkeypatch):
         "dpo_hh_rlhf",
         "sft_digits_noisy",
         "grpo_digits",
+        "dpo_simpo_digits",
+        "dpo_orpo_digits",
+        "kto_digits",
+        "online_dpo_digits",
+        "sft_digits_teacher",
+        "distill_digits",
         "rm_vowels",
         "ppo_vowels",
     ]
     assert sorted(order) == sorted(EXAMPLES)
     for name in order:
-        kind = name.split("_")[0]
+        kind = "online_dpo" if name.startswith("online_dpo") else name.split("_")[0]
         config = load_config(
             classes[kind],
             root / "examples" / f"{name}.yaml",

@@ -182,6 +182,29 @@ def test_presets_print_their_knobs_and_match_core_by_hand(noisy_sft, tmp_path, p
         )
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["preset=gspo"],  # 4 minibatches: the first on-policy, the next three off-policy
+        ["policy_loss=gspo-token", "clip_low=3e-4", "clip_high=4e-4", "minibatches=4"],
+        ["preset=cispo", "clip_high=0.02", "num_iterations=2"],
+    ],
+    ids=["gspo", "gspo-token", "cispo"],
+)
+def test_gspo_and_cispo_start_on_policy_and_clip_off_policy(noisy_sft, tmp_path, overrides):
+    """The first minibatch of every step is on-policy for GSPO's sequence ratio and CISPO's weight too
+    (ratio 1, clipfrac 0: docs/pitfalls.md #4); the later, off-policy ones clip (GSPO's 3e-4 / 4e-4 range
+    clips whole responses; CISPO caps weights above 1.02)."""
+    config = _grpo(noisy_sft, tmp_path, "off_policy", "run.max_steps=2", *overrides)
+    train_grpo(config)
+    records = read_metrics(config.run.output_dir)
+    for r in records:
+        assert abs(r["policy/first_minibatch_ratio_max"] - 1) < 1e-5
+        assert abs(r["policy/first_minibatch_ratio_min"] - 1) < 1e-5
+        assert r["policy/first_minibatch_clipfrac"] == 0
+    assert max(r["policy/clipfrac"] for r in records) > 0
+
+
 REWARD_FILE = '''
 def even_first_digit(prompts, completions, answer, **columns):
     """Reward only prompts whose first digit is even: the other groups are all 0, with no signal."""
@@ -355,6 +378,7 @@ def _tail(records, key, n=5):
     return sum(r[key] for r in records[-n:]) / n
 
 
+@pytest.mark.slow  # `make test-slow`: outside `make test`, which holds to 15 minutes
 def test_ppo_raises_reward_model_score_and_larger_kl_coef_gives_smaller_kl(tiny_dir, vowel_rm, tmp_path):
     finals = {}
     for kl_coef in (0.0, 0.3):

@@ -16,18 +16,26 @@ mask is 0 may hold anything, NaN and inf included: every function here selects w
 """
 
 from posttrain.core.advantages import gae, group_advantages, rloo_advantages, shape_rewards
+from posttrain.core.distill import generalized_jsd, reverse_kl_advantages, vocab_kl
 from posttrain.core.importance import IMPORTANCE_LEVELS, truncated_importance_weights
 from posttrain.core.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_penalty
-from posttrain.core.logprobs import entropy_from_logits, token_logprobs
+from posttrain.core.logprobs import entropy_from_logits, token_logprobs, yes_probability
 from posttrain.core.losses import (
     AGGREGATION_MODES,
     DPO_KINDS,
+    POLICY_LOSSES,
     aggregate_loss,
     aggregation_units,
+    cispo_policy_loss,
     dpo_loss,
+    gspo_policy_loss,
+    kto_loss,
+    kto_reference_point,
+    orpo_loss,
     ppo_policy_loss,
     ranking_loss,
     ranking_pairs,
+    simpo_loss,
     value_loss,
 )
 from posttrain.core.masks import (
@@ -58,22 +66,29 @@ __all__ = [
     "DPO_KINDS",
     "IMPORTANCE_LEVELS",
     "KL_ESTIMATORS",
+    "POLICY_LOSSES",
     "SharedPrefixBatch",
     "adaptive_kl_coef",
     "aggregate_loss",
     "aggregation_units",
+    "cispo_policy_loss",
     "dpo_loss",
     "entropy_from_logits",
     "forward_cost",
     "gather_at_predictors",
+    "generalized_jsd",
     "gae",
     "group_advantages",
+    "gspo_policy_loss",
     "kl_penalty",
+    "kto_loss",
+    "kto_reference_point",
     "last_valid_index",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "orpo_loss",
     "pack_groups",
     "packed_group_shape",
     "pack_shared_prefix",
@@ -84,12 +99,16 @@ __all__ = [
     "ranking_pairs",
     "response_index",
     "response_last_positions",
+    "reverse_kl_advantages",
     "rloo_advantages",
     "shape_rewards",
     "shared_prefix_attention_mask",
+    "simpo_loss",
     "shared_prefix_token_logprobs",
     "token_logprobs",
     "truncated_importance_weights",
     "value_loss",
+    "vocab_kl",
+    "yes_probability",
     "zero_masked",
 ]

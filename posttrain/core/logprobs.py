@@ -1,4 +1,5 @@
-"""Per-token log-probabilities and entropies from logits, in float32, chunked over positions.
+"""Per-token log-probabilities and entropies from logits, in float32, chunked over positions; and a
+judge's P(yes) from the logits of one position (``yes_probability``).
 
 A naive ``log_softmax(logits.float(), -1).gather(-1, tokens)`` materialises a second full
 [B, T, V] float32 tensor (512 MiB for B=4, T=1024, V=32000). Here each chunk of positions is
@@ -69,3 +70,25 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
         finite_log_p = torch.where(log_p > -torch.inf, log_p, 0.0)
         pieces.append(-(log_p.exp() * finite_log_p).sum(-1))
     return torch.cat(pieces).view(logits.shape[:-1])
+
+
+def yes_probability(logits: torch.Tensor, yes_ids: list[int], no_ids: list[int]) -> torch.Tensor:
+    """A judge's verdict as a number: the next token's probability of "yes" against "no",
+
+        P(yes) / (P(yes) + P(no)) = σ(logsumexp(logits[yes_ids]) − logsumexp(logits[no_ids]))
+
+    with P(yes) = Σ_{v ∈ yes_ids} softmax(logits)_v (likewise no); the softmax's normaliser cancels,
+    so only the 2 logsumexps are computed. The verifier's P("Yes") of Zhang et al. 2024 ("Generative
+    Verifiers: Reward Modeling as Next-Token Prediction", arXiv 2408.15240), renormalised over the two
+    answers so that mass on any other token does not lower the score.
+
+    logits: [B, V], the logits of the position that predicts the verdict token (any float dtype,
+    computed in float32, float64 kept). yes_ids, no_ids: disjoint, non-empty lists of token ids.
+    Returns [B] in [0, 1].
+    """
+    if not yes_ids or not no_ids or set(yes_ids) & set(no_ids):
+        raise ValueError(f"yes_ids and no_ids must be non-empty and disjoint, got {yes_ids} and {no_ids}")
+    logits = logits.to(_compute_dtype(logits.dtype))
+    yes = torch.logsumexp(logits[:, yes_ids], dim=-1)
+    no = torch.logsumexp(logits[:, no_ids], dim=-1)
+    return torch.sigmoid(yes - no)

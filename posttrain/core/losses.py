@@ -1,4 +1,5 @@
-"""Losses: the loss aggregation modes, PPO/GRPO clipped policy loss, clipped value loss, DPO, ranking.
+"""Losses: the loss aggregation modes, the policy losses (PPO/GRPO clipped, GSPO, CISPO), clipped value loss,
+DPO and the other offline preference losses (SimPO, ORPO, KTO), ranking.
 
 Every per-token loss is written separately from its reduction (``aggregate_loss``), because the
 reduction is where GRPO variants differ (Dr. GRPO, Liu et al. 2025; DAPO, Yu et al. 2025) and where
@@ -6,6 +7,9 @@ micro-batching bugs live (docs/pitfalls.md #1, #2).
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -93,35 +97,142 @@ def ppo_policy_loss(
     branch), approx_kl (masked mean of k3 between old and new), ratio_mean, ratio_max, ratio_min, pg_loss, and
     kl (masked mean of the KL term) when ``ref_logprobs`` is given.
     """
-    mask = mask.bool()
+    mask, logprobs, old_logprobs, advantages = _policy_inputs(logprobs, old_logprobs, advantages, mask)
     clip_high = clip_low if clip_high is None else clip_high
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1).expand_as(logprobs)
-    # select before exp: exp(garbage) at padding would make the gradient NaN even after masking
-    logprobs = zero_masked(logprobs, mask)
-    old_logprobs = zero_masked(old_logprobs, mask)
-    advantages = zero_masked(advantages, mask)
-
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    pg_loss = aggregate_loss(per_token, mask, agg, norm_length)
+    stats = _ratio_stats(ratio, clipped > unclipped, logprobs, old_logprobs, mask)
+    return _aggregate_with_kl(per_token, stats, logprobs, mask, agg, norm_length, ref_logprobs, kl_coef, kl_estimator)
 
-    stats = {
-        "pg_loss": pg_loss.detach(),
-        "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask).detach(),
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float | None = 4e-4,
+    agg: str = "seq-mean-token-mean",
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    norm_length: int | None = None,
+    token_level: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO, Group Sequence Policy Optimization (Zheng et al. 2025, arXiv:2507.18071), and its GSPO-token
+    variant: one importance ratio per response, the geometric mean of its token ratios, clipped per response:
+
+        s_i = exp( (1/|y_i|) Σ_t m_{i,t}·(logprobs_{i,t} − old_logprobs_{i,t}) )        |y_i| = Σ_t m_{i,t}
+        GSPO:        ℓ_{i,t} = max(−A_i·s_i, −A_i·clip(s_i, 1 − clip_low, 1 + clip_high))   [+ kl_coef·KL_{i,t}]
+        GSPO-token:  s_{i,t} = sg[s_i]·π_θ(y_{i,t}) / sg[π_θ(y_{i,t})]  in place of s_i, A_{i,t} in place of A_i
+
+    ``token_level=False`` is GSPO: every valid token of row i holds the row's term, so
+    ``seq-mean-token-mean`` gives the paper's (1/G) Σ_i min(s_i·A_i, clip(s_i)·A_i) and its gradient
+    −A_i·s_i/|y_i| on each token's log-prob; the other ``agg`` modes weigh row i by its |y_i| tokens.
+    ``token_level=True`` is GSPO-token: the same value, the gradient through each token's own log-prob
+    (∂s_{i,t}/∂logπ_θ(y_{i,t}) = s_i), so per-token advantages [B, T] may enter; with [B] advantages its
+    gradient equals GSPO's. A row is clipped whole, so a token is on the clipped branch when its row is
+    (for GSPO-token with [B, T] advantages, when the sign of its A_{i,t} puts it there).
+
+    Shapes and the KL term as in ``ppo_policy_loss``; ``clip_high`` None = ``clip_low``; the defaults
+    3e-4 / 4e-4 are the paper's (§5.1). Returns (loss, stats): clipfrac is the share of valid tokens on
+    the clipped branch (the paper's "fraction of clipped tokens"); ratio_mean/max/min are over valid
+    tokens of the ratio the loss uses (s_i repeated on each of the row's tokens).
+    """
+    mask, logprobs, old_logprobs, advantages = _policy_inputs(logprobs, old_logprobs, advantages, mask)
+    clip_high = clip_low if clip_high is None else clip_high
+    seq_log_ratio = masked_mean(logprobs - old_logprobs, mask, dim=-1)[:, None]  # [B, 1]; 0 for an empty row
+    if token_level:  # value of s_i, gradient of each token's own log-prob
+        log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
+    else:
+        log_ratio = seq_log_ratio.expand_as(logprobs)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    stats = _ratio_stats(ratio, clipped > unclipped, logprobs, old_logprobs, mask)
+    return _aggregate_with_kl(per_token, stats, logprobs, mask, agg, norm_length, ref_logprobs, kl_coef, kl_estimator)
+
+
+def cispo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 1.0,
+    clip_high: float | None = 0.28,
+    agg: str = "token-mean",
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    norm_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO, Clipped IS-weight Policy Optimization (MiniMax 2025, "MiniMax-M1", arXiv:2506.13585): the
+    importance weight is clipped and detached, the update never is:
+
+        r_t = exp(logprobs_t − old_logprobs_t)
+        ℓ_t = −sg(clip(r_t, 1 − clip_low, 1 + clip_high))·A_t·logprobs_t   [+ kl_coef·KL_t]
+
+    Every valid token keeps its gradient −sg(ŵ_t)·A_t on its log-prob, a clipped one included (PPO's
+    clip sets the gradient of a token on the clipped branch to 0). ``clip_low`` ≥ 1 puts no lower bound on
+    the weight (r_t > 0), as MiniMax did; ``clip_high`` None = ``clip_low``. The value of ℓ is REINFORCE's
+    −A·log π scaled by the weight, not a ratio surrogate: it moves with log π, only its gradient matters.
+
+    Shapes and the KL term as in ``ppo_policy_loss``. Returns (loss, stats): clipfrac is the share of
+    valid tokens whose weight was clipped (they still train, with the clipped weight); ratio_mean/max/min
+    are over valid tokens of the unclipped r_t.
+    """
+    mask, logprobs, old_logprobs, advantages = _policy_inputs(logprobs, old_logprobs, advantages, mask)
+    clip_high = clip_low if clip_high is None else clip_high
+    ratio = torch.exp(logprobs - old_logprobs)
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
+    per_token = -weight * advantages * logprobs
+    stats = _ratio_stats(ratio, weight != ratio, logprobs, old_logprobs, mask)
+    return _aggregate_with_kl(per_token, stats, logprobs, mask, agg, norm_length, ref_logprobs, kl_coef, kl_estimator)
+
+
+POLICY_LOSSES = {
+    "ppo": ppo_policy_loss,
+    "gspo": gspo_policy_loss,
+    "gspo-token": functools.partial(gspo_policy_loss, token_level=True),
+    "cispo": cispo_policy_loss,
+}
+"""The policy losses a trainer chooses from by name (``policy_loss``), all with ``ppo_policy_loss``'s
+arguments and return."""
+
+
+def _policy_inputs(logprobs, old_logprobs, advantages, mask):
+    """(mask as bool, logprobs, old_logprobs, advantages [B, T]) with exact 0 where the mask is 0:
+    selected before exp, because exp(garbage) at padding makes the gradient NaN even after masking."""
+    mask = mask.bool()
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1).expand_as(logprobs)
+    return mask, zero_masked(logprobs, mask), zero_masked(old_logprobs, mask), zero_masked(advantages, mask)
+
+
+def _ratio_stats(ratio, clipped, logprobs, old_logprobs, mask) -> dict[str, torch.Tensor]:
+    """clipfrac (share of valid tokens where ``clipped``), approx_kl (k3 of old against new), the ratio's
+    masked mean, max and min (0 without a valid token); detached scalars."""
+    return {
+        "clipfrac": masked_mean(clipped.to(ratio.dtype), mask).detach(),
         "approx_kl": masked_mean(kl_penalty(logprobs, old_logprobs, "k3"), mask).detach(),
         "ratio_mean": masked_mean(ratio, mask).detach(),
         "ratio_max": torch.where(mask.any(), torch.where(mask, ratio, -torch.inf).max(), 0.0).detach(),
         "ratio_min": torch.where(mask.any(), torch.where(mask, ratio, torch.inf).min(), 0.0).detach(),
     }
-    if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, zero_masked(ref_logprobs, mask), kl_estimator)
-        per_token = per_token + kl_coef * kl
-        stats["kl"] = masked_mean(kl, mask).detach()
-        return aggregate_loss(per_token, mask, agg, norm_length), stats
-    return pg_loss, stats
+
+
+def _aggregate_with_kl(per_token, stats, logprobs, mask, agg, norm_length, ref_logprobs, kl_coef, kl_estimator):
+    """(aggregate(ℓ [+ kl_coef·KL], mask, agg), stats with pg_loss and, with ``ref_logprobs``, kl)."""
+    pg_loss = aggregate_loss(per_token, mask, agg, norm_length)
+    stats["pg_loss"] = pg_loss.detach()
+    if ref_logprobs is None:
+        return pg_loss, stats
+    kl = kl_penalty(logprobs, zero_masked(ref_logprobs, mask), kl_estimator)
+    stats["kl"] = masked_mean(kl, mask).detach()
+    return aggregate_loss(per_token + kl_coef * kl, mask, agg, norm_length), stats
 
 
 def value_loss(
@@ -187,6 +298,118 @@ def dpo_loss(
     chosen_rewards = (beta * (policy_chosen_logps - ref_chosen_logps)).detach()
     rejected_rewards = (beta * (policy_rejected_logps - ref_rejected_logps)).detach()
     return losses, chosen_rewards, rejected_rewards
+
+
+def simpo_loss(
+    chosen_avg_logps: torch.Tensor,
+    rejected_avg_logps: torch.Tensor,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO (Meng, Xia and Chen 2024, "SimPO: Simple Preference Optimization with a Reference-Free
+    Reward", arXiv:2405.14734, eqs. 4 and 6), per pair, with no reference model:
+
+        r(x, y) = (β/|y|)·log π(y|x) = β·(1/|y|)·Σ_{t ∈ y} log π(y_t | x, y_<t)
+        ℓ = −log σ(r(x, y_w) − r(x, y_l) − γ)
+
+    chosen_avg_logps, rejected_avg_logps: [B], log π(y|x)/|y|, the mean of the response's token log-probs
+    (response tokens only). γ (``gamma``) is the target margin in reward units, as in eq. 6; the SimPO
+    code's ``gamma_beta_ratio`` is γ/β (γ = gamma_beta_ratio·β). With γ = 0 and equal average
+    log-likelihoods the loss is log 2.
+    Returns (losses [B], chosen_rewards [B], rejected_rewards [B]); rewards are r(x, y), detached.
+    """
+    chosen_rewards = beta * chosen_avg_logps
+    rejected_rewards = beta * rejected_avg_logps
+    losses = -F.logsigmoid(chosen_rewards - rejected_rewards - gamma)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()
+
+
+def log_odds(avg_logps: torch.Tensor) -> torch.Tensor:
+    """log odds(y|x) = log P − log(1 − P) of a probability given as its log, log P ≤ 0; any shape.
+
+    log(1 − P) = log1mexp(log P), computed as log(−expm1(log P)) for log P > −log 2 and as
+    log1p(−exp(log P)) below (Mächler 2012, "Accurately Computing log(1 − exp(−|a|))"): each form is
+    exact where the other loses digits. log P is capped at −ε (ε = the dtype's machine epsilon), where
+    1 − P stops being resolved: P = 1 would make the log odds +inf and its gradient NaN; the cap bounds
+    them by log(1/ε) (15.9 in float32) and leaves every P < 1 − ε unchanged.
+    """
+    log_p = avg_logps.clamp(max=-torch.finfo(avg_logps.dtype).eps)
+    near_one = log_p > -math.log(2)
+    # each branch evaluated only where it is the one selected: the other's inf would poison the gradient
+    log_1mp = torch.where(
+        near_one,
+        torch.log(-torch.expm1(torch.where(near_one, log_p, -1.0))),
+        torch.log1p(-torch.exp(torch.where(near_one, -1.0, log_p))),
+    )
+    return log_p - log_1mp
+
+
+def orpo_loss(
+    chosen_avg_logps: torch.Tensor, rejected_avg_logps: torch.Tensor, lam: float = 0.1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO (Hong, Lee and Thorne 2024, "ORPO: Monolithic Preference Optimization without Reference
+    Model", arXiv:2403.07691, eqs. 2–7), per pair, with no reference model:
+
+        log P(y|x) = (1/|y|)·Σ_{t ∈ y} log π(y_t | x, y_<t)         (the paper's length-normalised likelihood)
+        odds(y|x) = P(y|x) / (1 − P(y|x))
+        ℓ = −log P(y_w|x) + λ·(−log σ(log odds(y_w|x) − log odds(y_l|x)))
+
+    The first term is the SFT loss L_SFT on the chosen response (its token NLL averaged over its tokens),
+    the second λ·L_OR. chosen_avg_logps, rejected_avg_logps: [B], log P(y|x) (response tokens only).
+    Log odds come from ``log_odds`` (stable near P = 0 and P = 1). ``lam`` is λ (0.1 in the paper).
+    Returns (losses [B], chosen_log_odds [B], rejected_log_odds [B]); the log odds detached.
+    """
+    chosen_log_odds, rejected_log_odds = log_odds(chosen_avg_logps), log_odds(rejected_avg_logps)
+    odds_ratio_loss = -F.logsigmoid(chosen_log_odds - rejected_log_odds)
+    losses = -chosen_avg_logps + lam * odds_ratio_loss
+    return losses, chosen_log_odds.detach(), rejected_log_odds.detach()
+
+
+def kto_reference_point(kl_logratio_sum: torch.Tensor, count: float) -> torch.Tensor:
+    """KTO's reference point z0 (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic
+    Optimization", arXiv:2402.01306, §4.1), estimated as the paper and TRL do:
+
+        z0 = max(0, (1/m)·Σ_{i=1..m} [log π(y'_i|x_i) − log π_ref(y'_i|x_i)])
+
+    over m mismatched pairs (x_i, y'_i), each prompt with the completion of another example, so that y'
+    is drawn from the data independently of x_i: a biased estimate of KL(π(y'|x) ‖ π_ref(y'|x)),
+    clamped at 0 and not back-propagated through (detached), as in the paper.
+    kl_logratio_sum: a scalar tensor, the sum over the m pairs (the caller sums micro-batches and
+    processes); count: m. Returns z0, a detached scalar (0 when m = 0).
+    """
+    return torch.clamp(kl_logratio_sum.detach() / max(float(count), 1.0), min=0.0)
+
+
+def kto_loss(
+    policy_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    reference_point: torch.Tensor | float,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kahneman–Tversky Optimization (Ethayarajh et al. 2024, arXiv:2402.01306, eq. 8), per example:
+
+        r = log π(y|x) − log π_ref(y|x)
+        desirable y:    ℓ = λ_D·(1 − σ(β·(r − z0)))
+        undesirable y:  ℓ = λ_U·(1 − σ(β·(z0 − r)))
+
+    i.e. λ_y − v(x, y) with the paper's value function v. policy_logps, ref_logps: [B], log π(y|x)
+    summed over the completion tokens; desirable: [B] bool, True for a desirable completion;
+    reference_point: z0 (``kto_reference_point``), a detached scalar. ``desirable_weight`` is λ_D,
+    ``undesirable_weight`` λ_U. With π = π_ref and z0 = 0 every loss is λ_y/2.
+    Returns (losses [B], rewards [B]); rewards are β·r, detached.
+    """
+    logratios = policy_logps - ref_logps
+    z0 = torch.as_tensor(reference_point, dtype=logratios.dtype, device=logratios.device).detach()
+    desirable = desirable.bool()
+    losses = torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (logratios - z0))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (z0 - logratios))),
+    )
+    return losses, (beta * logratios).detach()
 
 
 def ranking_loss(scores: torch.Tensor, margin: float = 0.0) -> torch.Tensor:

@@ -9,6 +9,7 @@ from posttrain.data.datasets import (
     RankingExample,
     SequenceBatch,
     SFTExample,
+    UnpairedExample,
     check_columns,
     collate,
     collate_packed,
@@ -19,6 +20,7 @@ from posttrain.data.datasets import (
     load_prompts,
     load_rankings,
     load_sft,
+    load_unpaired,
     pack_sft,
     rendered,
 )
@@ -39,6 +41,7 @@ __all__ = [
     "RankingExample",
     "SFTExample",
     "SequenceBatch",
+    "UnpairedExample",
     "check_columns",
     "collate",
     "collate_packed",
@@ -52,6 +55,7 @@ __all__ = [
     "load_prompts",
     "load_rankings",
     "load_sft",
+    "load_unpaired",
     "pack_sft",
     "read_rows",
 ]

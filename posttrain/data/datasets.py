@@ -23,6 +23,7 @@ from posttrain.data.rows import (
     check_prompt,
     check_ranking,
     check_sft,
+    check_unpaired,
     read_rows,
     with_first_kinds,
 )
@@ -143,6 +144,13 @@ class PreferenceExample:
 
 
 @dataclass
+class UnpairedExample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    label: bool  # True: a desirable completion, False: an undesirable one (KTO)
+
+
+@dataclass
 class RankingExample:
     prompt_ids: list[int]
     response_ids: list[list[int]]  # best first
@@ -157,10 +165,10 @@ class PromptExample:
 
 def rendered(tokenizer, example) -> str:
     """The first tokens of a run as the model reads them, special tokens kept: an example's prompt and
-    (SFT) completion, (DPO, RM) chosen or best response, printed once at start so that a template's
+    (SFT, KTO) completion, (DPO, RM) chosen or best response, printed once at start so that a template's
     default system prompt or a missing end-of-turn token is seen, not guessed."""
     ids = list(example.prompt_ids)
-    if isinstance(example, SFTExample):
+    if isinstance(example, SFTExample | UnpairedExample):
         ids += example.completion_ids
     elif isinstance(example, PreferenceExample):
         ids += example.chosen_ids
@@ -288,6 +296,19 @@ def load_preferences(config: DataConfig, tokenizer, source=None) -> tuple[list[P
         return PreferenceExample(c.prompt_ids, c.completion_ids, r.completion_ids), c.truncated or r.truncated, ""
 
     return _build(config, tokenizer, source, make, PreferenceExample)
+
+
+def load_unpaired(config: DataConfig, tokenizer, source=None) -> tuple[list[UnpairedExample], DataReport]:
+    """Unpaired preference rows (KTO's): one completion per row, labelled desirable (true) or not (false)."""
+
+    def make(row, encoder):
+        prompt, completion, label = check_unpaired(row)
+        encoded = encoder.pair(prompt, completion, row.where)
+        if encoded is None:
+            return None, False, _dropped_reason(encoder)
+        return UnpairedExample(encoded.prompt_ids, encoded.completion_ids, label), encoded.truncated, ""
+
+    return _build(config, tokenizer, source, make, UnpairedExample)
 
 
 def load_rankings(config: DataConfig, tokenizer, source=None) -> tuple[list[RankingExample], DataReport]:

@@ -10,7 +10,7 @@ One JSON object per row; text fields hold a string or a list of ``{"role", "cont
     explicit preference    prompt, chosen, rejected     dpo, rm
     implicit preference    chosen, rejected             dpo, rm: their shared start is the prompt
     ranking                prompt, responses            rm: [best, ..., worst], K ≥ 2, all different
-    unpaired preference    prompt, completion, label    KTO's format: read and rejected (no trainer uses it)
+    unpaired preference    prompt, completion, label    kto: label true (desirable) or false (undesirable)
 
 A ``messages`` conversation must end with the assistant's turn; with one assistant turn it is the
 prompt-completion pair (prompt = the messages before it), with several every one is trained
@@ -173,8 +173,8 @@ def reject_unpaired(data: dict, where: str) -> None:
         raise DataError(
             where,
             "label",
-            "an unpaired preference row (prompt, completion, label) is the format of KTO, which posttrain "
-            "does not implement; sft, dpo and rm need prompt/completion or prompt/chosen/rejected rows",
+            "an unpaired preference row (prompt, completion, label) is the format of KTO, read by posttrain "
+            "kto; sft, dpo and rm need prompt/completion or prompt/chosen/rejected rows",
         )
 
 
@@ -210,6 +210,7 @@ KINDS = {
     "preference": ("preference rows (prompt/chosen/rejected or chosen/rejected)", "posttrain dpo and posttrain rm"),
     "ranking": ("ranking rows (prompt/responses)", "posttrain rm"),
     "prompt": ("prompt rows (prompt and reward columns)", "posttrain grpo and posttrain ppo"),
+    "unpaired": ("unpaired preference rows (prompt/completion/label)", "posttrain kto"),
 }
 _READ_BY_RM = "preference rows (prompt/chosen/rejected) or ranking rows (prompt/responses)"
 
@@ -217,6 +218,8 @@ _READ_BY_RM = "preference rows (prompt/chosen/rejected) or ranking rows (prompt/
 def row_kind(data: dict) -> str | None:
     """The dataset kind (a key of ``KINDS``) that a row's columns point to, None when they point to none."""
     keys = data.keys()
+    if UNPAIRED_COLUMNS <= keys:
+        return "unpaired"
     if {"chosen", "rejected"} <= keys:
         return "preference"
     if "responses" in keys:
@@ -325,3 +328,17 @@ def check_prompt(row: Row) -> tuple[str | list[dict], dict[str, Any]]:
     reject_unpaired(row.data, row.where)
     prompt = _required(row, "prompt", "prompt")
     return prompt, {k: v for k, v in row.data.items() if k != "prompt"}
+
+
+def check_unpaired(row: Row) -> tuple[str | list[dict], str | list[dict], bool]:
+    """(prompt, completion, label) of an unpaired preference row (KTO's, TRL's unpaired preference type):
+    label is a JSON boolean, true for a desirable completion and false for an undesirable one."""
+    prompt = _required(row, "prompt", "unpaired")
+    completion = _required(row, "completion", "unpaired")
+    _refuse_other_kind(row, "label", "unpaired")
+    if "label" not in row.data:
+        raise DataError(row.where, "label", "missing: true (a desirable completion) or false (an undesirable one)")
+    label = row.data["label"]
+    if not isinstance(label, bool):
+        raise DataError(row.where, "label", f"must be true (desirable) or false (undesirable), got {label!r}")
+    return prompt, completion, label

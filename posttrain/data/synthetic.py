@@ -5,6 +5,8 @@
 - ``vowel_rankings``: K random letter strings ranked by how many vowels they hold (more is better): a
   preference a tiny reward model can learn, with a true score to check it against.
 - ``vowel_pairs``: the same as preference pairs (the best and the worst of each ranking).
+- ``arithmetic_pairs``: sums as preference pairs, the right sum chosen and one off by one rejected;
+  ``unpaired`` splits pairs into KTO's unpaired rows (a desirable and an undesirable completion).
 """
 
 from __future__ import annotations
@@ -54,3 +56,23 @@ def vowel_pairs(n: int, length: int = 8, seed: int = 0) -> list[dict]:
         {"prompt": r["prompt"], "chosen": r["responses"][0], "rejected": r["responses"][-1]}
         for r in vowel_rankings(n, k=2, length=length, seed=seed)
     ]
+
+
+def arithmetic_pairs(n: int, seed: int = 0, low: int = 10, high: int = 49) -> list[dict]:
+    """Preference pairs on the sums of ``arithmetic_sft``: the right sum chosen, the sum off by one (up
+    or down, at random) rejected."""
+    rng = random.Random(seed)
+    return [
+        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": str(int(r["answer"]) + rng.choice([-1, 1]))}
+        for r in arithmetic_sft(n, seed=seed, low=low, high=high)
+    ]
+
+
+def unpaired(pairs: list[dict]) -> list[dict]:
+    """Preference pairs as unpaired preference rows (KTO's format), as TRL's ``unpair_preference_dataset``
+    does: each pair gives (prompt, chosen, label true) and (prompt, rejected, label false)."""
+    rows = []
+    for pair in pairs:
+        rows.append({"prompt": pair["prompt"], "completion": pair["chosen"], "label": True})
+        rows.append({"prompt": pair["prompt"], "completion": pair["rejected"], "label": False})
+    return rows

@@ -73,6 +73,15 @@ def _logits(
         ).logits
 
 
+def response_logits(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
+) -> torch.Tensor:
+    """The logits that predict each of the last ``response_length`` tokens of each row, [B, T, V]: the
+    token at position P + t is predicted by the logits at position P + t − 1 (a full-vocabulary
+    divergence reads them whole; ``response_logprobs`` reads one entry each)."""
+    return _logits(model, input_ids, attention_mask, response_length + 1)[:, :-1]
+
+
 def response_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -89,7 +98,7 @@ def response_logprobs(
     at position P + t is scored by the logits at position P + t − 1. The entropy is a detached metric
     unless ``entropy_grad`` (an entropy bonus in the loss).
     """
-    logits = _logits(model, input_ids, attention_mask, response_length + 1)[:, :-1]  # [B, T, V]
+    logits = response_logits(model, input_ids, attention_mask, response_length)  # [B, T, V]
     logprobs = token_logprobs(logits, input_ids[:, -response_length:], temperature=temperature)
     entropy = None
     if with_entropy:
@@ -514,6 +523,13 @@ class Reference:
                 model, input_ids.to(device), attention_mask.to(device), response_length, temperature
             )
         return logprobs.to(input_ids.device)
+
+    def response_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
+        """The logits [B, T, V] that predict the response tokens (``response_logits``), on the inputs' device."""
+        with self.model_for_forward() as model:
+            device = next(model.parameters()).device
+            logits = response_logits(model, input_ids.to(device), attention_mask.to(device), response_length)
+        return logits.to(input_ids.device)
 
     def prompt_cached_logprobs(self, prompt_ids, prompt_mask, response_ids, prompt_index, temperature=1.0):
         """log π_ref of the response tokens, [b, T], each distinct prompt run once (``prompt_cached_logprobs``)."""

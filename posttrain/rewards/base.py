@@ -14,10 +14,24 @@ A function that names a parameter ``prompt_ids`` / ``completion_ids`` also gets 
 ids (one list per sample: the templated prompt without padding; the completion up to and including
 its EOS), and one that names ``policy_tokenizer`` gets the policy's tokenizer: what a reward model
 needs to read exactly the tokens the policy produced (``posttrain.rewards.model``).
+
+A function may also keep counts of its own (a judge's verdicts that did not parse): one that names a
+parameter ``reward_counts`` gets a ``collections.Counter`` that its ``RewardComposer`` keeps for that spec
+alone, and each entry it adds to is logged, cumulative, as ``reward/<function>/<name>`` next to its
+failures and timeouts (``posttrain.rewards.judge``). Like those, the counts are the composer's, in its
+process: a run's training and evaluation rewards count apart, and under data parallelism the logged
+value is the main process's (not summed over processes). Such a function runs inline (a forked worker's
+counts are lost with it).
+
+And a function may check its settings before any model loads: a ``validate_kwargs(kwargs, where)``
+attribute, called by ``RewardSpec.validate`` with ``where`` = ``rewards[i].kwargs``, raises ValueError
+naming ``<where>.<key>``; a ``required_columns(kwargs)`` attribute lists data columns it needs besides
+its parameters (a judge's template placeholders), checked with those (``required_columns``).
 """
 
 from __future__ import annotations
 
+import collections
 import difflib
 import importlib
 import importlib.util
@@ -45,11 +59,16 @@ from posttrain.rewards import sandbox
 RewardFunction = Callable[..., list]
 ON_ERROR = ("raise", "skip")
 ISOLATION = ("process", "inline")
-# Our reward models as reward functions run inline, never in a forked worker. They are our own code and
-# hold a torch model: inline, it is loaded once and kept, on any device, and scores on every thread. A
+# Our reward models and judges as reward functions run inline, never in a forked worker. They are our own
+# code and hold a torch model: inline, it is loaded once and kept, on any device, and scores on every thread. A
 # forked worker loads it again in every call, cannot use CUDA once the trainer has, and inherits torch's
 # OpenMP and MKL state without the threads behind it, which can hang it (see _child and _InlineThread).
-MODEL_FUNCTIONS = ("posttrain.rewards.model:reward_model", "posttrain.rewards.model:reward_ensemble")
+MODEL_FUNCTIONS = (
+    "posttrain.rewards.model:reward_model",
+    "posttrain.rewards.model:reward_ensemble",
+    "posttrain.rewards.judge:judge_score",
+    "posttrain.rewards.judge:judge_yes_probability",
+)
 _MIN_SAMPLES_FOR_ABORT = 20  # a failure rate is not judged on fewer samples
 TOKEN_COLUMNS = ("prompt_ids", "completion_ids")  # handed only to functions that name them
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -79,7 +98,8 @@ class RewardSpec:
     isolation: str | None = None
     """process: each call runs in a forked worker that is killed on timeout (torch in it runs on one
     thread); inline: in a thread of this process (a hung call is abandoned, not killed). null: inline for
-    the reward models of posttrain.rewards.model (which refuse process), process for every other function."""
+    the reward models of posttrain.rewards.model and the judges of posttrain.rewards.judge (which refuse
+    process), process for every other function."""
     retry_after_timeout: bool = False
     """After a batch call times out, score its samples one by one, all within one more ``timeout``, to
     keep the samples that do not hang (process isolation only). Off: every sample of the call gets None."""
@@ -110,6 +130,18 @@ class RewardSpec:
                 f"{name}.isolation: process runs {self.function} in a forked worker, which cannot use CUDA "
                 f"(kwargs.device={self.kwargs['device']}); set {name}.isolation: inline"
             )
+        self._validate_kwargs(name)
+
+    def _validate_kwargs(self, name: str) -> None:
+        """The function's own check of ``kwargs`` (``fn.validate_kwargs``, module docstring), when it has one.
+        A function that does not import is left to ``trainers.inputs.check_reward_functions``, which says why."""
+        try:
+            fn = load_reward_function(self.function)
+        except Exception:
+            return
+        check = getattr(fn, "validate_kwargs", None)
+        if check is not None:
+            check(self.kwargs, f"{name}.kwargs")
 
     @property
     def effective_isolation(self) -> str:
@@ -151,12 +183,13 @@ def load_reward_function(spec: str) -> RewardFunction:
 def required_columns(fn: RewardFunction, bound: dict | None = None) -> list[str]:
     """The data columns ``fn`` cannot be called without: its parameters after (prompts, completions)
     that have no default, are not bound by the spec's ``kwargs``, and are not handed over by posttrain
-    (``prompt_ids``, ``completion_ids``, ``policy_tokenizer``). ``**columns`` takes whatever there is."""
-    handed = {*TOKEN_COLUMNS, "policy_tokenizer", *(bound or {})}
+    (``prompt_ids``, ``completion_ids``, ``policy_tokenizer``, ``reward_counts``), then the columns its
+    ``required_columns`` attribute names (module docstring). ``**columns`` takes whatever there is."""
+    handed = {*TOKEN_COLUMNS, "policy_tokenizer", "reward_counts", *(bound or {})}
     params = list(inspect.signature(fn).parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     skipped = {p.name for p in positional[:2]}  # prompts, completions
-    return [
+    needed = [
         p.name
         for p in params
         if p.name not in skipped
@@ -164,6 +197,8 @@ def required_columns(fn: RewardFunction, bound: dict | None = None) -> list[str]
         and p.default is p.empty
         and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
+    named = getattr(fn, "required_columns", None)
+    return needed + [c for c in (named(bound or {}) if named else []) if c not in needed]
 
 
 def reward_columns(specs: list[RewardSpec]) -> dict[str, list[str]]:
@@ -349,6 +384,7 @@ class _Tracked:
     failures: int = 0
     timeouts: int = 0  # samples left without a score by a timeout
     batch_timeouts: int = 0  # calls that timed out
+    counts: collections.Counter = field(default_factory=collections.Counter)  # its own (module docstring)
 
 
 class RewardComposer:
@@ -377,7 +413,11 @@ class RewardComposer:
             wanted = set(inspect.signature(fn).parameters)
             if "policy_tokenizer" in wanted:
                 fn = partial(fn, policy_tokenizer=tokenizer)
-            self.functions.append(_Tracked(name, fn, w, spec, [c for c in TOKEN_COLUMNS if c in wanted]))
+            counts = collections.Counter()  # this composer's, for this spec alone
+            if "reward_counts" in wanted:
+                fn = partial(fn, reward_counts=counts)
+            tracked = _Tracked(name, fn, w, spec, [c for c in TOKEN_COLUMNS if c in wanted], counts=counts)
+            self.functions.append(tracked)
         self.max_unscored_steps = max_unscored_steps
         self.unscored_steps = 0
         self.warn = warn
@@ -515,11 +555,14 @@ class RewardComposer:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def fault_counts(self) -> dict[str, float]:
+        """Each function's failures, timeouts and own counts (``reward_counts``) so far: this composer's, in
+        this process (the trainers log them as they are, not summed over processes)."""
         out = {}
         for t in self.functions:
             out[f"reward/{t.name}/failures"] = t.failures
             out[f"reward/{t.name}/timeouts"] = t.timeouts
             out[f"reward/{t.name}/batch_timeouts"] = t.batch_timeouts
+            out.update({f"reward/{t.name}/{key}": float(value) for key, value in t.counts.items()})
         return out
 
 

@@ -174,6 +174,19 @@ def check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
 
 
+def check_policy_loss(policy_loss: str, clip_low: float, clip_high: float | None, allowed) -> None:
+    """``policy_loss`` is one of ``allowed`` and its clip range holds: clip_low in (0, 1), clip_high > 0 or
+    null; cispo clips a weight, which may have no lower bound (any clip_low ≥ 1, since a ratio is > 0)."""
+    check_choice("policy_loss", policy_loss, allowed)
+    cispo = policy_loss == "cispo"
+    if not 0 < clip_low < (math.inf if cispo else 1) or (clip_high is not None and clip_high <= 0):
+        low = "> 0 (≥ 1: no lower bound on the weight)" if cispo else "in (0, 1)"
+        raise ValueError(
+            f"clip_low must be {low} and clip_high > 0 or null with policy_loss={policy_loss}, "
+            f"got clip_low={clip_low}, clip_high={clip_high}"
+        )
+
+
 # --------------------------------------------------------------------------------------------------
 # YAML and key=value
 # --------------------------------------------------------------------------------------------------

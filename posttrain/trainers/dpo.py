@@ -1,4 +1,5 @@
-"""Direct Preference Optimization (Rafailov et al. 2023) with ``core.dpo_loss`` (sigmoid, IPO, hinge).
+"""Direct Preference Optimization (Rafailov et al. 2023) with ``core.dpo_loss`` (sigmoid, IPO, hinge), and the
+reference-free pairwise losses SimPO (``core.simpo_loss``) and ORPO (``core.orpo_loss``).
 
     h = (log π(y_w|x) − log π_ref(y_w|x)) − (log π(y_l|x) − log π_ref(y_l|x)),   loss = mean over pairs of ℓ(h)
 
@@ -7,7 +8,8 @@ IPO, ``ipo_logps=mean`` averages them over the completion's tokens instead, as T
 reference is a frozen copy of the starting policy, the same weights with the LoRA adapter off, a
 separate checkpoint (``reference_path``), or its log-probs are computed once in a pass before
 training (``reference=precompute``) and the reference model is freed. At step 0 the policy is its
-own reference, so the loss starts at log 2.
+own reference, so the loss starts at log 2. SimPO and ORPO read the mean of the completion's token
+log-probs (their papers' length-normalised likelihood) and load no reference at all.
 
 With ``shared_prefix`` (default auto) a pair is one row, prompt then chosen then rejected
 (``core.packing``): the prompt is computed once in the policy and the reference passes instead of
@@ -16,12 +18,22 @@ twice; log π(y|x) is the same up to float rounding.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
 
-from posttrain.core import DPO_KINDS, SharedPrefixBatch, dpo_loss, masked_mean, masked_sum, pack_shared_prefix
+from posttrain.core import (
+    DPO_KINDS,
+    SharedPrefixBatch,
+    dpo_loss,
+    masked_mean,
+    masked_sum,
+    orpo_loss,
+    pack_shared_prefix,
+    simpo_loss,
+)
 from posttrain.data import (
     DataConfig,
     PreferenceExample,
@@ -48,12 +60,21 @@ from posttrain.trainers.config import (
     validate_sections,
 )
 from posttrain.trainers.inputs import check_inputs
-from posttrain.trainers.loop import PhaseTimer, Trainable, build_accelerator, run_offline, split_train_eval
+from posttrain.trainers.loop import (
+    PhaseTimer,
+    Trainable,
+    build_accelerator,
+    precompute_pass,
+    run_offline,
+    split_train_eval,
+)
 from posttrain.trainers.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
 from posttrain.trainers.runlock import holds_run_dir
 
-REFERENCE_MODES = ("auto", "copy", "adapter", "precompute")
+REFERENCE_MODES = ("auto", "copy", "adapter", "precompute", "none")
 IPO_LOGPS = ("sum", "mean")
+REFERENCE_FREE = ("simpo", "orpo")  # losses of the policy alone: no reference is loaded or run
+LOSS_TYPES = (*DPO_KINDS, *REFERENCE_FREE)
 
 
 @dataclass
@@ -69,17 +90,24 @@ class DPOConfig:
     run: RunConfig = field(default_factory=RunConfig)
     """Steps, batches, logging, checkpoints."""
     beta: float = 0.1
-    """β: the strength of the implicit KL anchor to the reference."""
+    """β: the strength of the implicit KL anchor to the reference; for simpo, the scale of its reward
+    (β/|y|)·log π(y|x) (the SimPO paper's settings use β of 2 and more); not used by orpo."""
     loss_type: str = "sigmoid"
-    """sigmoid (DPO), ipo or hinge."""
+    """sigmoid (DPO), ipo, hinge, or the reference-free simpo (SimPO) and orpo (ORPO)."""
     label_smoothing: float = 0.0
     """ε of conservative DPO: the share of labels assumed flipped (sigmoid only)."""
     ipo_logps: str = "sum"
     """IPO only: log π(y|x) as the sum of the completion's token log-probs (the IPO paper's sequence
     log-likelihood) or their mean over its tokens (TRL's IPO). The target margin 1/(2β) is then per
     sequence or per token, so β means something else in each."""
+    simpo_gamma: float = 0.5
+    """SimPO only: γ, the target margin between the chosen and the rejected reward (β/|y|)·log π(y|x), in
+    reward units (the SimPO code's gamma_beta_ratio is γ/β)."""
+    orpo_lambda: float = 0.1
+    """ORPO only: λ, the weight of the odds-ratio term added to the chosen response's NLL (β is not used)."""
     reference: str = "auto"
-    """auto (adapter-off for LoRA, else copy), copy, adapter, or precompute (one pass, then freed)."""
+    """auto (none for simpo and orpo; adapter-off for LoRA; else copy), copy, adapter, precompute (one
+    pass, then freed), or none (simpo and orpo only)."""
     reference_path: str | None = None
     """A separate reference checkpoint; null = the starting policy."""
     shared_prefix: bool | str = "auto"
@@ -93,8 +121,9 @@ class DPOConfig:
     def validate(self) -> None:
         validate_sections(self)
         reject_ignored(self, {"model.device": PLACED_BY_ACCELERATE})
-        check_choice("loss_type", self.loss_type, DPO_KINDS)
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
         check_choice("reference", self.reference, REFERENCE_MODES)
+        self._check_variant_knobs()
         check_shared_prefix(self.shared_prefix)
         if self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
@@ -107,6 +136,29 @@ class DPOConfig:
             raise ValueError("ipo_logps applies to loss_type=ipo only (DPO and hinge use summed log-probs)")
         if self.reference == "adapter" and (self.model.lora is None or self.reference_path):
             raise ValueError("reference=adapter needs model.lora and no reference_path")
+
+    @property
+    def reference_free(self) -> bool:
+        return self.loss_type in REFERENCE_FREE
+
+    def _check_variant_knobs(self) -> None:
+        """Each loss's own knobs are refused with the others; simpo and orpo take no reference."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, loss in (("simpo_gamma", "simpo"), ("orpo_lambda", "orpo")):
+            if getattr(self, name) != defaults[name] and self.loss_type != loss:
+                raise ValueError(f"{name} applies to loss_type={loss} only")
+        if self.simpo_gamma < 0 or self.orpo_lambda < 0:
+            raise ValueError(f"simpo_gamma and orpo_lambda must be >= 0, got {self.simpo_gamma}, {self.orpo_lambda}")
+        if self.loss_type == "orpo" and self.beta != defaults["beta"]:
+            raise ValueError("beta is not used by loss_type=orpo: orpo_lambda weighs its odds-ratio term")
+        if self.reference_free and (self.reference not in ("auto", "none") or self.reference_path):
+            raise ValueError(
+                f"loss_type={self.loss_type} is reference-free (no reference is loaded): leave reference=auto "
+                f"(or none) and reference_path=null, got reference={self.reference}, "
+                f"reference_path={self.reference_path}"
+            )
+        if not self.reference_free and self.reference == "none":
+            raise ValueError(f"reference=none: loss_type={self.loss_type} needs a reference (simpo and orpo do not)")
 
 
 @dataclass
@@ -143,7 +195,8 @@ def completion_logps(model, sequences: SequenceBatch | SharedPrefixBatch, averag
 class DPOTask:
     def __init__(self, reference: Reference | None, pad_id: int, config: DPOConfig, shared: SharedPrefix | None = None):
         self.reference, self.pad_id, self.config = reference, pad_id, config
-        self.average = config.ipo_logps == "mean"
+        # SimPO's and ORPO's likelihoods are length-normalised: the mean over the completion's tokens
+        self.average = config.ipo_logps == "mean" or config.reference_free
         self.shared = shared or SharedPrefix(enabled=False)
         self.timer = PhaseTimer()  # the loop's, once training starts: the reference forward is time/reference
 
@@ -172,20 +225,22 @@ class DPOTask:
         with self.timer("reference"), self.reference.model_for_forward() as ref_model:
             return completion_logps(ref_model, sequences, self.average)
 
+    def objective(self, chosen: torch.Tensor, rejected: torch.Tensor, batch: DPOBatch):
+        """(losses [B], chosen_rewards [B], rejected_rewards [B]) of ``loss_type`` from the policy's log π(y|x)
+        of the B chosen and B rejected responses (SimPO's rewards; ORPO's log odds)."""
+        c = self.config
+        if c.loss_type == "simpo":
+            return simpo_loss(chosen, rejected, c.beta, c.simpo_gamma)
+        if c.loss_type == "orpo":
+            return orpo_loss(chosen, rejected, c.orpo_lambda)
+        ref_logps = batch.ref_logps if batch.ref_logps is not None else self.reference_logps(batch.sequences)
+        ref_chosen, ref_rejected = ref_logps.chunk(2)
+        return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, c.beta, c.loss_type, c.label_smoothing)
+
     def loss(self, model, batch: DPOBatch):
         logps = completion_logps(model, batch.sequences, self.average)
-        ref_logps = batch.ref_logps if batch.ref_logps is not None else self.reference_logps(batch.sequences)
         chosen, rejected = logps.chunk(2)
-        ref_chosen, ref_rejected = ref_logps.chunk(2)
-        losses, chosen_rewards, rejected_rewards = dpo_loss(
-            chosen,
-            rejected,
-            ref_chosen,
-            ref_rejected,
-            self.config.beta,
-            self.config.loss_type,
-            self.config.label_smoothing,
-        )
+        losses, chosen_rewards, rejected_rewards = self.objective(chosen, rejected, batch)
         sums = {
             "loss_sum": losses.detach().sum(),
             "rewards/chosen": chosen_rewards.sum(),
@@ -194,11 +249,14 @@ class DPOTask:
             "logps/chosen": chosen.detach().sum(),
             "logps/rejected": rejected.detach().sum(),
         }
+        if self.config.loss_type == "orpo":  # its SFT term, −log P(y_w|x)
+            sums["nll"] = -chosen.detach().sum()
         return losses.sum(), sums
 
     def finalize(self, sums: dict, count: int) -> dict:
         n = max(count, 1)
-        metrics = {k: sums[k] / n for k in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")}
+        per_pair = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "nll")
+        metrics = {k: sums[k] / n for k in per_pair if k in sums}
         metrics.update(
             {
                 "loss": sums["loss_sum"] / n,
@@ -214,15 +272,19 @@ def build_reference(config: DPOConfig, policy, accelerator) -> Reference:
     return engines.build_reference(accelerator, policy, config.model, share, config.reference_path)
 
 
-def precompute_reference(forward, examples: list[DPOExample], collate, micro_batch_size: int, device) -> None:
+def precompute_reference(
+    forward, examples: list[DPOExample], collate, micro_batch_size: int, device, show: bool = False
+) -> None:
     """One pass over ``examples`` storing log π_ref of both responses in each; ``collate(pairs)`` lays
-    the pairs out (``DPOTask.sequences``), ``forward(sequences) -> [2B]`` (chosen, then rejected)."""
-    for i in range(0, len(examples), micro_batch_size):
-        chunk = examples[i : i + micro_batch_size]
-        with torch.no_grad():
-            ref_chosen, ref_rejected = forward(collate([e.pair for e in chunk]).to(device)).cpu().chunk(2)
+    the pairs out (``DPOTask.sequences``), ``forward(sequences) -> [2B]`` (chosen, then rejected);
+    ``show``: a progress bar."""
+
+    def store(chunk: list[DPOExample]) -> None:
+        ref_chosen, ref_rejected = forward(collate([e.pair for e in chunk]).to(device)).cpu().chunk(2)
         for e, c, r in zip(chunk, ref_chosen.tolist(), ref_rejected.tolist(), strict=True):
             e.ref_chosen, e.ref_rejected = c, r
+
+    precompute_pass(examples, micro_batch_size, store, "[dpo] reference log-probs", show)
 
 
 @holds_run_dir  # the run folder stays locked until the run ends (runlock)
@@ -243,7 +305,9 @@ def train(config: DPOConfig, callbacks=()) -> dict:
     train_examples, eval_examples = [DPOExample(p) for p in train_pairs], [DPOExample(p) for p in eval_pairs]
     policy = load_policy(replace(config.model, device=str(accelerator.device)))
     task = DPOTask(None, tokenizer.pad_token_id, config)
-    if config.reference_path or config.reference != "precompute" or engines.zero_stage(accelerator) == 3:
+    if config.reference_free:
+        accelerator.print(f"[dpo] loss_type={config.loss_type} is reference-free: no reference model is loaded")
+    elif config.reference_path or config.reference != "precompute" or engines.zero_stage(accelerator) == 3:
         task.reference = build_reference(config, policy, accelerator)
     # packed rows run through the policy and a separate reference model alike: both must take them
     models = [policy] + ([task.reference.model] if task.reference and task.reference.model is not None else [])
@@ -263,6 +327,7 @@ def train(config: DPOConfig, callbacks=()) -> dict:
             task.sequences,
             config.run.micro_batch_size,
             accelerator.device,
+            show=config.run.progress and accelerator.is_main_process,
         )
         task.reference = None
     result = run_offline(

@@ -9,13 +9,14 @@ Per step, for P prompts:
   4. advantages: GRPO (r − mean_g) / std (scale group | batch | none = Dr. GRPO), RLOO, or REINFORCE++
      (token rewards with KL, reward-to-go, batch-whitened);
   5. μ = ``num_iterations`` passes over ``minibatches`` minibatches: PPO-clipped surrogate with the
-     advantage shared by every token of a response (clip-higher when clip_high > clip_low), KL to the
-     reference in the loss (k3, DeepSeekMath) or in the reward (k1), reduced by ``loss_agg``;
+     advantage shared by every token of a response (clip-higher when clip_high > clip_low), or GSPO's
+     sequence ratio or CISPO's clipped weight (``policy_loss``), KL to the reference in the loss (k3,
+     DeepSeekMath) or in the reward (k1), reduced by ``loss_agg``;
   6. log; checkpoint.
 
 Departures from the paper: the loss reduction is a named choice (``loss_agg``) because the paper's
 per-sequence length normalisation biases the objective (Liu et al. 2025); presets set the knobs of
-GRPO, DAPO and Dr. GRPO at once and are printed at start. Equations, knobs and tests:
+GRPO, DAPO, Dr. GRPO, GSPO and CISPO at once and are printed at start. Equations, knobs and tests:
 docs/algorithms/grpo.md.
 """
 
@@ -29,10 +30,10 @@ import torch
 from posttrain.core import (
     AGGREGATION_MODES,
     KL_ESTIMATORS,
+    POLICY_LOSSES,
     gae,
     group_advantages,
     kl_penalty,
-    ppo_policy_loss,
     rloo_advantages,
     shape_rewards,
 )
@@ -47,6 +48,7 @@ from posttrain.trainers.config import (
     OptimConfig,
     RunConfig,
     check_choice,
+    check_policy_loss,
     reject_ignored,
     validate_sections,
     with_presets,
@@ -82,6 +84,7 @@ class GRPOConfig:
 
     PRESETS = {
         "grpo": {
+            "policy_loss": "ppo",
             "loss_agg": "seq-mean-token-mean",
             "clip_low": 0.2,
             "clip_high": 0.2,
@@ -91,6 +94,7 @@ class GRPOConfig:
             "kl_estimator": "k3",
         },
         "dapo": {
+            "policy_loss": "ppo",
             "loss_agg": "token-mean",
             "clip_low": 0.2,
             "clip_high": 0.28,
@@ -101,11 +105,31 @@ class GRPOConfig:
             "kl_coef": 0.0,
         },
         "dr_grpo": {
+            "policy_loss": "ppo",
             "loss_agg": "seq-mean-token-sum-norm",
             "clip_low": 0.2,
             "clip_high": 0.2,
             "scale_rewards": "none",
             "advantage_estimator": "grpo",
+        },
+        "gspo": {  # Zheng et al. 2025, §5.1: these clip ranges, 4 minibatches per rollout batch; no KL term
+            "policy_loss": "gspo",
+            "loss_agg": "seq-mean-token-mean",
+            "clip_low": 3e-4,
+            "clip_high": 4e-4,
+            "minibatches": 4,
+            "scale_rewards": "group",
+            "advantage_estimator": "grpo",
+            "kl_coef": 0.0,
+        },
+        "cispo": {  # MiniMax 2025: no lower bound on the weight, a token-level mean, no KL term
+            "policy_loss": "cispo",
+            "loss_agg": "token-mean",
+            "clip_low": 1.0,
+            "clip_high": 0.28,  # ε_high is not published; DAPO's value
+            "scale_rewards": "group",
+            "advantage_estimator": "grpo",
+            "kl_coef": 0.0,
         },
     }
 
@@ -135,12 +159,16 @@ class GRPOConfig:
     """KL estimator in the loss: k1, k2 or k3 (with kl_in=reward k1 is used, per token)."""
     kl_in: str = "loss"
     """Where the KL goes: loss (DeepSeekMath) or reward (per-token k1, RLHF-style)."""
+    policy_loss: str = "ppo"
+    """The policy loss per token: ppo (clipped token ratio), gspo (one length-normalised ratio per response,
+    clipped per response), gspo-token (GSPO's ratio, each token's own gradient and advantage) or cispo
+    (the clipped ratio as a detached weight on log π: no token loses its gradient)."""
     loss_agg: str = "seq-mean-token-mean"
     """Loss reduction: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     clip_low: float = 0.2
-    """ε_low: the ratio is clipped below at 1 − clip_low."""
+    """ε_low: the ratio (cispo: the weight) is clipped below at 1 − clip_low; cispo: ≥ 1 = no lower bound."""
     clip_high: float | None = None
-    """ε_high: clipped above at 1 + clip_high (null = clip_low; DAPO uses 0.28)."""
+    """ε_high: clipped above at 1 + clip_high (null = clip_low; DAPO uses 0.28, GSPO 4e-4)."""
     num_iterations: int = 1
     """μ: updates per rollout (old log-probs are the sampling ones)."""
     minibatches: int = 1
@@ -158,7 +186,7 @@ class GRPOConfig:
     reference: str = "auto"
     """auto (adapter-off for LoRA, else a frozen copy), copy or adapter."""
     preset: str = "none"
-    """grpo, dapo or dr_grpo: sets several knobs at once (printed at start); explicit settings win."""
+    """grpo, dapo, dr_grpo, gspo or cispo: sets several knobs at once (printed at start); explicit settings win."""
     log_completions: int = 4
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
     max_unscored_steps: int = 3
@@ -217,8 +245,12 @@ class GRPOConfig:
             )
         if not 0 <= self.overlong_buffer_fraction <= 1:
             raise ValueError(f"overlong_buffer_fraction must be in [0, 1], got {self.overlong_buffer_fraction}")
-        if not 0 < self.clip_low < 1 or (self.clip_high is not None and self.clip_high <= 0):
-            raise ValueError("clip_low must be in (0, 1) and clip_high > 0")
+        check_policy_loss(self.policy_loss, self.clip_low, self.clip_high, POLICY_LOSSES)
+        if self.policy_loss == "gspo" and self.advantage_estimator == "reinforce++":
+            raise ValueError(
+                "policy_loss=gspo clips one ratio per response by the response's one advantage; reinforce++ gives "
+                "each token its own: use policy_loss=gspo-token (GSPO's ratio with per-token advantages)"
+            )
 
     @property
     def prompts_per_step(self) -> int:
@@ -351,13 +383,6 @@ class GRPOTrainer(OnlineTrainer):
         # 6. log
         metrics.update(self.reward_metrics(scores, applicable))
         return metrics, rollout, scores
-
-    def console_warning(self, message: str) -> None:
-        """A warning line on the main process's console, above the progress bar."""
-        if self.accelerator.is_main_process:
-            from tqdm.auto import tqdm
-
-            tqdm.write(f"[grpo] warning: {message}")
 
     # -- 1-2. rollout and rewards ---------------------------------------------------------------
 
@@ -518,14 +543,15 @@ class GRPOTrainer(OnlineTrainer):
         return {**out, **first_minibatch_metrics(first)}
 
     def policy_loss(self, batch: GRPOBatch, s: slice, with_entropy: bool):
-        """(PPO-clipped surrogate with the KL to the reference in the loss when kl_in=loss, reduced by
-        ``loss_agg``; its stats with ``loss``; the token entropy [b, T] or None) of rows ``s``."""
+        """(the ``policy_loss`` surrogate (PPO-clipped, GSPO or CISPO) with the KL to the reference in the
+        loss when kl_in=loss, reduced by ``loss_agg``; its stats with ``loss``; the token entropy [b, T] or
+        None) of rows ``s``."""
         cfg = self.config
         logprobs, entropy = policy_logprobs(
             self.actor.model, batch.rollout, s, self.accelerator.device, with_entropy=with_entropy, shared=self.shared
         )
         self.passes["policy_train"] += 1
-        loss, stats = ppo_policy_loss(
+        loss, stats = POLICY_LOSSES[cfg.policy_loss](
             logprobs,
             batch.old_logprobs[s],
             batch.advantages[s],

@@ -54,7 +54,10 @@ from posttrain.trainers.signals import handles_stop_signals, stop_if_signalled
 class Task(Protocol):
     """What a trainer plugs into the loop. A task with a ``timer`` attribute gets the loop's
     ``PhaseTimer`` there and times its own phases inside ``loss`` (DPO: ``reference``); the loop times
-    ``train`` around them."""
+    ``train`` around them. A task with a ``begin_step(accelerator, model, batches, counted)`` method gets
+    every micro-batch of the step (of an evaluation) before any ``loss``: a quantity of the whole batch
+    of every process, computed once, whatever the micro-batches (KTO's reference point z0); ``counted``
+    says which batches hold examples (an evaluation repeats one where a collective forward needs it)."""
 
     def collate(self, examples: list) -> Any: ...
 
@@ -122,6 +125,22 @@ class StepSchedule:
         epoch, k = divmod(step, self.steps_per_epoch)
         order = torch.randperm(self.num_examples, generator=torch.Generator().manual_seed(self.seed + epoch))
         return order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
+
+
+def precompute_pass(
+    examples: list, micro_batch_size: int, store: Callable[[list], None], desc: str, show: bool
+) -> None:
+    """``store(chunk)`` over ``examples``, ``micro_batch_size`` at a time and without gradients, with a
+    progress bar: one pass of a real model over a data set (DPO's and KTO's precomputed reference)
+    takes minutes on a CPU, and said nothing while it ran."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(examples), desc=desc, unit="example", disable=not show, leave=False) as bar:
+        for i in range(0, len(examples), micro_batch_size):
+            chunk = examples[i : i + micro_batch_size]
+            with torch.no_grad():
+                store(chunk)
+            bar.update(len(chunk))
 
 
 def split_train_eval(examples: list, eval_fraction: float, seed: int) -> tuple[list, list]:
@@ -338,6 +357,8 @@ def accumulate_gradients(accelerator, task: Task, model, batches: list) -> tuple
     device = accelerator.device
     counts = [task.count(b) for b in batches]
     global_count = global_sum(accelerator, sum(counts))
+    if hasattr(task, "begin_step"):
+        task.begin_step(accelerator, model, batches, [True] * len(batches))
     sums: dict[str, torch.Tensor] = {}
     tokens, step_loss = 0, torch.zeros((), device=device)
     for k, (batch, count) in enumerate(zip(batches, counts, strict=True)):
@@ -365,9 +386,12 @@ def evaluate_offline(accelerator, task: Task, model, examples: list, micro: int)
     if engines.collective_forwards(accelerator):
         forwards = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / micro)
     with torch.no_grad():
-        for i in range(forwards):
-            chunk = mine[i * micro : (i + 1) * micro]
-            batch = task.collate(chunk or examples[:1])
+        chunks = [mine[i * micro : (i + 1) * micro] for i in range(forwards)]
+        batches = (task.collate(chunk or examples[:1]) for chunk in chunks)  # one at a time, as training's
+        if hasattr(task, "begin_step"):  # it reads every micro-batch before the first loss (KTO's z0)
+            batches = [*batches]
+            task.begin_step(accelerator, model, batches, [bool(chunk) for chunk in chunks])
+        for chunk, batch in zip(chunks, batches, strict=True):
             _, batch_sums = task.loss(model, batch.to(accelerator.device))
             if not chunk:
                 continue

@@ -75,6 +75,13 @@ class OnlineTrainer:
     BAR_KEYS: tuple[str, ...] = ()
     SCORE_KEYS: tuple[str, str] = ("reward/mean", "reward/std")
 
+    def console_warning(self, message: str) -> None:
+        """A warning line on the main process's console, above the progress bar."""
+        if self.accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"[{self.name}] warning: {message}")
+
     def __init__(self, config):
         config.validate()
         check_inputs(config)

@@ -8,8 +8,9 @@ Per step:
   3. per-token KL (default k1) and token rewards r_t = −β·KL_t, plus the score at the last token;
   4. values V(s_t) from the critic; GAE advantages and returns; advantage whitening (optionally
      reward whitening);
-  5. for ``ppo_epochs`` epochs over shuffled minibatches: clipped surrogate for the policy, clipped
-     value loss for the critic, optional entropy bonus; gradient clipping; separate learning rates;
+  5. for ``ppo_epochs`` epochs over shuffled minibatches: clipped surrogate for the policy (or
+     GSPO-token's or CISPO's, ``policy_loss``), clipped value loss for the critic, optional entropy
+     bonus; gradient clipping; separate learning rates;
   6. log, and adapt β with the adaptive controller (target KL and horizon) when chosen.
 
 The critic starts from the reward model (default) or the policy, as a separate model; or it is a
@@ -30,13 +31,13 @@ import torch
 from posttrain.core import (
     AGGREGATION_MODES,
     KL_ESTIMATORS,
+    POLICY_LOSSES,
     adaptive_kl_coef,
     aggregate_loss,
     gae,
     kl_penalty,
     masked_mean,
     masked_var,
-    ppo_policy_loss,
     shape_rewards,
 )
 from posttrain.data import DataConfig
@@ -50,6 +51,7 @@ from posttrain.trainers.config import (
     OptimConfig,
     RunConfig,
     check_choice,
+    check_policy_loss,
     reject_ignored,
     validate_sections,
 )
@@ -71,6 +73,7 @@ from posttrain.trainers.online import (
 from posttrain.trainers.runlock import holds_run_dir
 
 CRITIC_MODES = ("reward", "policy", "shared")
+PPO_POLICY_LOSSES = ("ppo", "gspo-token", "cispo")
 
 
 @dataclass
@@ -118,8 +121,11 @@ class PPOConfig:
     """Passes over each rollout batch."""
     minibatches: int = 1
     """Shuffled minibatches per epoch (one optimizer step each)."""
+    policy_loss: str = "ppo"
+    """The policy loss per token: ppo (clipped token ratio), gspo-token (GSPO's length-normalised sequence
+    ratio, each token its own advantage) or cispo (the clipped ratio as a detached weight on log π)."""
     clip_low: float = 0.2
-    """ε of the policy ratio clip (lower side)."""
+    """ε of the policy ratio clip (lower side); cispo: ≥ 1 = no lower bound on the weight."""
     clip_high: float | None = None
     """Upper side of the ratio clip; null = clip_low."""
     vf_clip: float | None = 0.2
@@ -170,6 +176,12 @@ class PPOConfig:
         if self.max_unscored_steps < 0:
             raise ValueError(f"max_unscored_steps must be >= 0 (0 = never stop), got {self.max_unscored_steps}")
         check_choice("critic", self.critic, CRITIC_MODES)
+        if self.policy_loss == "gspo":
+            raise ValueError(
+                "policy_loss=gspo clips one ratio per response by the response's one advantage; PPO's GAE gives "
+                "each token its own: use policy_loss=gspo-token (GSPO's ratio with per-token advantages)"
+            )
+        check_policy_loss(self.policy_loss, self.clip_low, self.clip_high, PPO_POLICY_LOSSES)
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
         check_choice("reference", self.reference, ("auto", "copy", "adapter"))
@@ -341,15 +353,15 @@ class PPOTrainer(OnlineTrainer):
         return {**out, **first_minibatch_metrics(first)}
 
     def policy_loss(self, batch: PPOBatch, s: slice) -> tuple[torch.Tensor, dict]:
-        """Clipped surrogate − entropy_coef · entropy (+ vf_coef · value loss with a shared value head) of
-        rows ``s``, each reduced by ``loss_agg`` with the constant ``max_new_tokens`` of
-        seq-mean-token-sum-norm."""
+        """The ``policy_loss`` surrogate (PPO-clipped, GSPO-token or CISPO) − entropy_coef · entropy
+        (+ vf_coef · value loss with a shared value head) of rows ``s``, each reduced by ``loss_agg`` with
+        the constant ``max_new_tokens`` of seq-mean-token-sum-norm."""
         cfg, mask = self.config, batch.mask[s]
         agg, norm_length = cfg.loss_agg, cfg.sampling.max_new_tokens
         logprobs, values, entropy = self.critic.policy_forward(
             batch.rollout, s, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
         )
-        pg_loss, stats = ppo_policy_loss(
+        pg_loss, stats = POLICY_LOSSES[cfg.policy_loss](
             logprobs,
             batch.old_logprobs[s],
             batch.advantages[s],

@@ -21,6 +21,9 @@ REQUIRED = {
     "dpo": {"model": {"path": "m"}, "data": {"path": "d.jsonl"}},
     "ppo": {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "critic": "policy", "rewards": [{"function": "a:b"}]},
     "grpo": {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rewards": [{"function": "a:b"}]},
+    "distill": {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "teacher": {"path": "t"}},
+    "kto": {"model": {"path": "m"}, "data": {"path": "d.jsonl"}},
+    "online-dpo": {"model": {"path": "m"}, "data": {"path": "d.jsonl"}, "rewards": [{"function": "a:b"}]},
 }
 FUZZ_EXAMPLES = 60
 

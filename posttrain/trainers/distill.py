@@ -1,0 +1,411 @@
+"""On-policy distillation: the student samples, a frozen teacher grades every sampled token.
+
+Agarwal et al. 2024, GKD, "On-Policy Distillation of Language Models: Learning from Self-Generated
+Mistakes", arXiv:2306.13649 (the divergence over the vocabulary, generalized JSD); Lu et al. 2025, Thinking
+Machines, "On-Policy Distillation" and Yang et al. 2025, Qwen3 Technical Report, arXiv:2505.09388 (the
+per-token reverse KL of the sampled tokens, as an advantage).
+
+Per step, for P prompts:
+  1. the student samples G responses per prompt, keeping the sampling log-probs (the "old" policy);
+     reward functions, when given, score them for the log only (never in the loss);
+  2. the teacher scores every sampled token: log π_T(y_t), one no-grad pass in micro-batches
+     (loss=jsd: in the update instead, from the teacher's whole distribution at each position);
+  3. loss=reverse_kl: per-token advantages A_t = −(log π_old(y_t) − log π_T(y_t)), discount 0;
+  4. ``minibatches`` shuffled minibatches, one optimizer step each: reverse_kl = the clipped surrogate with
+     A_t (on the first minibatch the ratio is 1: the plain policy gradient); jsd = GKD's generalized JSD_β
+     per response token over the vocabulary, its [b, T, V] logits computed micro-batch by micro-batch;
+     both reduced by ``loss_agg`` over the response tokens (prompt and padding never count);
+  5. log (the per-token reverse KL, the teacher's log-prob of the sampled tokens); checkpoint.
+
+Departures from the papers: GKD's λ (a share of the batch from the data set's own responses) is not
+implemented: every response is the student's own (GKD's on-policy λ = 1). The teacher must share the
+student's tokenizer. Equations, knobs and tests: docs/algorithms/distill.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from posttrain.core import (
+    AGGREGATION_MODES,
+    aggregate_loss,
+    generalized_jsd,
+    masked_mean,
+    ppo_policy_loss,
+    reverse_kl_advantages,
+    token_logprobs,
+    vocab_kl,
+)
+from posttrain.data import DataConfig
+from posttrain.errors import UserError
+from posttrain.models import ModelConfig, load_policy, load_tokenizer, response_logits
+from posttrain.monitor import AlertConfig, EvalConfig
+from posttrain.rewards import RewardComposer, RewardSpec, score_rollout
+from posttrain.rollout import Rollout, RolloutConfig, SamplingParams
+from posttrain.trainers import engines
+from posttrain.trainers.config import (
+    PLACED_BY_ACCELERATE,
+    OptimConfig,
+    RunConfig,
+    check_choice,
+    check_policy_loss,
+    reject_ignored,
+    validate_sections,
+)
+from posttrain.trainers.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
+from posttrain.trainers.online import (
+    OnlineTrainer,
+    Optimized,
+    StatsAccumulator,
+    first_minibatch_metrics,
+    minibatches,
+    old_logprobs_of,
+    reference_logprobs,
+    train_minibatch,
+)
+from posttrain.trainers.runlock import holds_run_dir
+
+DISTILL_LOSSES = ("reverse_kl", "jsd")
+
+
+@dataclass
+class DistillConfig:
+    """posttrain distill. ``run.batch_size`` counts responses per step (prompts × num_generations)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The student: the policy that samples and is trained (``model.lora`` for LoRA)."""
+    teacher: ModelConfig = field(default_factory=ModelConfig)
+    """The frozen teacher: another checkpoint (any size) with the student's tokenizer; loaded once."""
+    data: DataConfig = field(default_factory=lambda: DataConfig(max_length=None, max_prompt_length=512))
+    """Prompt rows {"prompt", ...}; the other columns go to the reward functions, if any."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, scheduler="constant"))
+    """Optimizer and schedule of the student."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Steps (rollout batches), responses per step (batch_size), micro_batch_size, logging, checkpoints."""
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=256, temperature=1.0))
+    """How the student samples."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The engine that samples (hf | lean | vllm, colocate | server) and the sampler/trainer mismatch correction."""
+    loss: str = "reverse_kl"
+    """reverse_kl: −(log π_θ − log π_T) of each sampled token as its advantage in the policy-gradient loss
+    (Thinking Machines, Qwen3); jsd: GKD's generalized JSD_β over the vocabulary at each response token."""
+    beta: float = 0.5
+    """β of loss=jsd: M = β·π_T + (1 − β)·π_θ; 0 = forward KL(π_T‖π_θ), 1 = reverse KL(π_θ‖π_T) over the vocabulary."""
+    temperature: float | None = None
+    """τ of the divergence: both models' logits / τ; null = sampling.temperature. loss=reverse_kl reads the
+    sampled tokens' log-probs at the sampling temperature, so it takes null or sampling.temperature only."""
+    num_generations: int = 1
+    """G: responses sampled per prompt."""
+    minibatches: int = 1
+    """Optimizer steps per rollout: the batch in this many shuffled minibatches (after the first, off-policy)."""
+    clip_low: float = 0.2
+    """loss=reverse_kl: the ratio π_θ/π_old is clipped below at 1 − clip_low (acts after the first minibatch)."""
+    clip_high: float | None = None
+    """loss=reverse_kl: clipped above at 1 + clip_high (null = clip_low)."""
+    loss_agg: str = "token-mean"
+    """Loss reduction: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
+    teacher_device: str | None = None
+    """Device of the teacher (e.g. cpu to offload it); null = the training device."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Reward functions logged as reward/* (e.g. an exact-answer check), never in the loss; the default
+    rewards of the held-out evaluation."""
+    log_completions: int = 4
+    """(prompt, completion, score) samples written to samples.jsonl per step (0 = none); the score is the
+    response's −Σ_t (log π_θ − log π_T)(y_t)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation (eval.path or data.eval_fraction) at step 0, every run.eval_every steps and at the end."""
+    alerts: AlertConfig = field(default_factory=AlertConfig)
+    """Health alerts over the logged metrics: thresholds (console, progress bar, alerts.jsonl)."""
+
+    def validate(self) -> None:
+        validate_sections(self)
+        reject_ignored(
+            self,
+            {
+                "model.device": PLACED_BY_ACCELERATE,
+                "teacher.device": "use teacher_device (the teacher is frozen, so it may live anywhere)",
+                "teacher.lora": "the teacher is frozen: point teacher.path at a merged checkpoint",
+                "teacher.gradient_checkpointing": "the teacher runs without gradients: nothing to recompute",
+            },
+        )
+        for i, spec in enumerate(self.rewards):
+            spec.validate(f"rewards[{i}]")
+        check_choice("loss", self.loss, DISTILL_LOSSES)
+        check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
+        if not 0 <= self.beta <= 1:
+            raise ValueError(f"beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got {self.beta}")
+        if self.temperature is not None and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 or null (= sampling.temperature), got {self.temperature}")
+        if self.loss == "reverse_kl" and self.temperature not in (None, self.sampling.temperature):
+            raise ValueError(
+                f"temperature={self.temperature} with loss=reverse_kl: its advantage compares the sampled tokens' "
+                f"log-probs at the sampling temperature ({self.sampling.temperature}); leave it null, or use loss=jsd"
+            )
+        if self.sampling.temperature == 0:
+            raise ValueError("sampling.temperature must be > 0: the student's samples are its distribution")
+        for key in ("num_generations", "minibatches"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.run.batch_size % self.num_generations:
+            raise ValueError(
+                f"run.batch_size={self.run.batch_size} must be a multiple of num_generations={self.num_generations}"
+            )
+        check_policy_loss("ppo", self.clip_low, self.clip_high, ("ppo",))
+        self._reject_other_loss_knobs()
+        if (self.eval.path or self.data.eval_fraction > 0) and not (self.eval.rewards or self.rewards):
+            asked = f"eval.path={self.eval.path}" if self.eval.path else f"data.eval_fraction={self.data.eval_fraction}"
+            raise ValueError(
+                f"{asked} asks for a held-out evaluation, which needs reward functions to score it: set eval.rewards "
+                "(or rewards, logged in training too)"
+            )
+
+    def _reject_other_loss_knobs(self) -> None:
+        """A knob the chosen ``loss`` never reads fails at start instead of being ignored."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if self.loss == "reverse_kl" and self.beta != defaults["beta"]:
+            raise ValueError(f"beta={self.beta} is the generalized JSD's mixture weight: it needs loss=jsd")
+        if self.loss == "jsd":
+            for name in ("clip_low", "clip_high"):
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(f"{name} clips reverse_kl's importance ratio: loss=jsd has none to clip")
+            if self.rollout.importance_sampling != "none":
+                raise ValueError(
+                    f"rollout.importance_sampling={self.rollout.importance_sampling}: loss=jsd compares whole "
+                    "distributions at the sampled positions, with no importance weight to correct; leave it none"
+                )
+
+    @property
+    def divergence_temperature(self) -> float:
+        return self.sampling.temperature if self.temperature is None else self.temperature
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def check_same_vocabulary(student, teacher, student_width: int, teacher_width: int, loss: str, teacher_path) -> None:
+    """Raise ``UserError`` unless the teacher can grade the student's token ids: the two tokenizers map the
+    same strings to the same ids, and for loss=jsd the two models' logits have as many entries (the
+    divergence compares them entry by entry). student, teacher: tokenizers; *_width: the models' vocab_size."""
+    student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
+    if student_vocab != teacher_vocab:
+        differ = sorted(set(student_vocab.items()) ^ set(teacher_vocab.items()), key=lambda kv: kv[1])[:3]
+        raise UserError(
+            f"teacher.path={teacher_path}: its tokenizer is not the student's ({len(teacher_vocab)} tokens against "
+            f"{len(student_vocab)}; differing entries such as {differ}): the teacher scores the student's token ids, "
+            "so both must use one tokenizer (the same tokens with the same ids)"
+        )
+    if loss == "jsd" and student_width != teacher_width:
+        raise UserError(
+            f"loss=jsd compares the student's and the teacher's distributions entry by entry, but their logits have "
+            f"{student_width} and {teacher_width} entries (one tokenizer, embeddings padded to other sizes); use "
+            "loss=reverse_kl, which reads the teacher's log-prob of each sampled token only"
+        )
+
+
+def _vocab_size(config: ModelConfig) -> int:
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(
+        config.path, revision=config.revision, trust_remote_code=config.trust_remote_code
+    )
+    return loaded.get_text_config().vocab_size
+
+
+@dataclass
+class DistillBatch:
+    """The rows of a rollout one minibatch trains on: the response ``mask``, the old log-probs and, for
+    loss=reverse_kl, the advantages (all [b, T]); ``teacher_logprobs`` [b, T] is filled by loss=jsd's passes."""
+
+    rollout: Rollout
+    mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor | None
+    teacher_logprobs: torch.Tensor
+
+
+class DistillTrainer(OnlineTrainer):
+    """Holds the student, the teacher and the state of a distillation run; ``train_step`` is the module
+    docstring's box."""
+
+    name = "distill"
+    BAR_KEYS = ("distill/reverse_kl", "distill/teacher_logprob")
+    SCORE_KEYS = ("score/mean", "score/std")
+
+    def __init__(self, config: DistillConfig):
+        super().__init__(config)
+        acc = self.accelerator
+        teacher_tokenizer = load_tokenizer(config.teacher.tokenizer_path or config.teacher.path)
+        check_same_vocabulary(
+            self.tokenizer,
+            teacher_tokenizer,
+            _vocab_size(config.model),
+            _vocab_size(config.teacher),
+            config.loss,
+            config.teacher.path,
+        )
+        self.rewards = None
+        if config.rewards:  # logged only: no unscored-steps stop
+            self.rewards = RewardComposer.from_specs(config.rewards, self.tokenizer, None, warn=self.console_warning)
+        policy = load_policy(replace(config.model, device="cpu"))
+        self.teacher = engines.build_reference(
+            acc, policy, config.teacher, "copy", path=config.teacher.path, device=config.teacher_device
+        )
+        updates = self.total_steps * config.minibatches
+        optimizer, scheduler = build_optimizer(
+            [p for p in policy.parameters() if p.requires_grad], config.optim, updates
+        )
+        model, optimizer = engines.prepare(acc, policy, optimizer)
+        acc.register_for_checkpointing(scheduler)
+        self.actor = Optimized(model, optimizer, scheduler, NonFiniteGuard(acc, config.run), config.optim.max_grad_norm)
+        self.passes = {"teacher": 0}
+        self.start_engine(acc.unwrap_model(model))
+
+    def train_step(self, step: int, timer: PhaseTimer) -> tuple[dict, Rollout | None, torch.Tensor | None]:
+        cfg, acc, device = self.config, self.accelerator, self.accelerator.device
+        micro = cfg.run.micro_batch_size
+        # 1. the student samples G responses per prompt (rewards, if any, for the log)
+        with timer("generate"):
+            prompts = self.sampler.take_for_process(self.local_prompts, self.prompts, acc)
+            rollout, columns = self.generate(prompts, cfg.num_generations)
+        metrics = {}
+        if self.rewards is not None:
+            with timer("reward"):
+                metrics.update(self.reward_metrics(rollout, columns))
+        mask = rollout.response_mask.to(device)
+        with timer("old_logprobs"):
+            old_logprobs, is_weights, mismatch = old_logprobs_of(
+                acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
+            )
+        metrics.update(mismatch)
+        # 2-3. the teacher scores every sampled token; reverse_kl: per-token advantages (jsd: in the update)
+        teacher_logprobs = advantages = None
+        if cfg.loss == "reverse_kl":
+            with timer("teacher"):
+                teacher_logprobs = reference_logprobs(self.teacher, rollout, micro, device)
+            advantages = reverse_kl_advantages(old_logprobs, teacher_logprobs, mask)
+            if is_weights is not None:  # w·min(r·A, clip(r)·A) = min(r·wA, clip(r)·wA) for w ≥ 0
+                advantages = advantages * is_weights
+        # 4. minibatches of the loss, one optimizer step each
+        with timer("train"):
+            update_metrics, from_update = self.update(step, rollout, old_logprobs, advantages, mask)
+        metrics.update(update_metrics)
+        self.passes["teacher"] += 1  # over every response of the step, once: in step 2 or in the update
+        # 5. log
+        teacher_logprobs = from_update if teacher_logprobs is None else teacher_logprobs
+        metrics.update(distill_metrics(acc, old_logprobs, teacher_logprobs, mask))
+        metrics.update({f"passes/{k}": v for k, v in self.passes.items()})
+        scores = reverse_kl_advantages(old_logprobs, teacher_logprobs, mask).sum(-1)  # −Σ_t k1: the sequence's "reward"
+        metrics["score/mean"] = global_sum(acc, scores.sum()) / global_sum(acc, len(scores))
+        everyone = acc.gather(scores)  # one response per process still has a spread over the processes
+        metrics["score/std"] = float(everyone.std()) if len(everyone) > 1 else 0.0
+        return metrics, rollout, scores
+
+    def reward_metrics(self, rollout: Rollout, columns: dict) -> dict[str, float]:
+        """reward/mean over the scored rows of every process (NaN when none was), and each function's mean."""
+        acc = self.accelerator
+        out = score_rollout(self.rewards, rollout, columns)
+        scored = ~torch.isnan(out.total)
+        count = global_sum(acc, scored.sum())
+        metrics = {"reward/mean": global_sum(acc, out.total[scored].sum()) / count if count else math.nan}
+        for name, values in out.components.items():
+            kept = [v for v in values if v is not None]
+            metrics[f"reward/{name}/mean"] = sum(kept) / len(kept) if kept else math.nan
+        return {**metrics, **self.rewards.fault_counts()}
+
+    # -- 4. the update ---------------------------------------------------------------------------------
+
+    def update(self, step: int, rollout: Rollout, old_logprobs, advantages, mask) -> tuple[dict, torch.Tensor]:
+        """``minibatches`` shuffled minibatches, one optimizer step each. Returns (the policy metrics of the
+        step, the teacher's log-probs [B, T] of the sampled tokens that loss=jsd's passes read; else 0s)."""
+        cfg, acc = self.config, self.accelerator
+        stats, first = StatsAccumulator(), None
+        teacher_logprobs = torch.zeros_like(old_logprobs)
+        shuffle = cfg.minibatches > 1
+        for _, rows in minibatches(len(rollout), 1, cfg.minibatches, cfg.run.seed, step, shuffle):
+            batch = DistillBatch(
+                rollout.select(rows),
+                mask[rows],
+                old_logprobs[rows],
+                None if advantages is None else advantages[rows],
+                torch.zeros_like(old_logprobs[rows]),
+            )
+            result, grad_norm = train_minibatch(
+                acc,
+                self.actor,
+                step,
+                batch.mask,
+                cfg.loss_agg,
+                cfg.run.micro_batch_size,
+                lambda s, batch=batch: self.loss(batch, s),
+            )
+            teacher_logprobs[rows] = batch.teacher_logprobs
+            if not result:  # no response token in this minibatch: no update
+                continue
+            first = first or result
+            stats.add({**result, "grad_norm": grad_norm}, 1.0)
+        out = {("policy/" + k if k != "grad_norm" else k): v for k, v in stats.result(acc).items()}
+        if first is not None and cfg.loss == "reverse_kl":
+            out.update(first_minibatch_metrics(first))
+        return out, teacher_logprobs
+
+    def loss(self, batch: DistillBatch, s: slice) -> tuple[torch.Tensor, dict]:
+        """(the loss of rows ``s``, reduced by ``loss_agg``; its stats with ``loss``)."""
+        cfg, device = self.config, self.accelerator.device
+        rollout, mask, length = batch.rollout, batch.mask[s], batch.rollout.response_length
+        if cfg.loss == "reverse_kl":
+            logprobs = self.logprobs_of(rollout, s)
+            loss, stats = ppo_policy_loss(
+                logprobs,
+                batch.old_logprobs[s],
+                batch.advantages[s],
+                mask,
+                cfg.clip_low,
+                cfg.clip_high,
+                cfg.loss_agg,
+                norm_length=cfg.sampling.max_new_tokens,
+            )
+            return loss, {**stats, "loss": loss.detach()}
+        ids, attention = rollout.input_ids[s].to(device), rollout.attention_mask[s].to(device)
+        teacher_logits = self.teacher.response_logits(ids, attention, length).to(device)  # [b, T, V], no grad
+        student_logits = response_logits(self.actor.model, ids, attention, length)  # [b, T, V]
+        tau = cfg.divergence_temperature
+        per_token = generalized_jsd(student_logits, teacher_logits, mask, cfg.beta, tau)
+        loss = aggregate_loss(per_token, mask, cfg.loss_agg, cfg.sampling.max_new_tokens)
+        with torch.no_grad():
+            sampled = token_logprobs(teacher_logits, ids[:, -length:], rollout.temperature)
+            batch.teacher_logprobs[s] = sampled.to(batch.teacher_logprobs.device)
+            reverse = vocab_kl(
+                torch.log_softmax(student_logits.float() / tau, -1), torch.log_softmax(teacher_logits.float() / tau, -1)
+            )
+        stats = {"jsd": masked_mean(per_token, mask), "reverse_kl_vocab": masked_mean(reverse, mask)}
+        return loss, {**{k: v.detach() for k, v in stats.items()}, "loss": loss.detach()}
+
+
+def distill_metrics(accelerator, logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask) -> dict[str, float]:
+    """Over the response tokens of every process: the per-token reverse KL estimate
+    mean(log π_old − log π_T) (k1 of the sampled tokens), its mean sum per response, and the mean
+    log-probs of the sampled tokens under the student that sampled them and under the teacher."""
+    valid = mask.bool()
+    tokens = max(global_sum(accelerator, valid.sum()), 1.0)
+
+    def token_mean(values: torch.Tensor) -> float:
+        return global_sum(accelerator, torch.where(valid, values, 0.0).sum()) / tokens
+
+    per_sequence = torch.where(valid, logprobs - teacher_logprobs, 0.0).sum(-1)
+    return {
+        "distill/reverse_kl": token_mean(logprobs - teacher_logprobs),
+        "distill/reverse_kl_per_sequence": global_sum(accelerator, per_sequence.sum())
+        / max(global_sum(accelerator, len(per_sequence)), 1.0),
+        "distill/teacher_logprob": token_mean(teacher_logprobs),
+        "distill/student_logprob": token_mean(logprobs),
+    }
+
+
+@holds_run_dir  # the run folder stays locked until the run ends (runlock)
+def train(config: DistillConfig, callbacks=()) -> dict:
+    """Run on-policy distillation; writes ``<run.output_dir>/final/policy`` (the student)."""
+    return DistillTrainer(config).train(callbacks)

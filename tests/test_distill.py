@@ -1,0 +1,362 @@
+"""On-policy distillation: the divergences by hand in float64, their ends and zeros, masks, micro-batch
+invariance, a teacher equal to the student at step 1, the vocabulary check, and the reverse KL falling."""
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_close, crash_at
+from safetensors.torch import load_file
+
+from posttrain.cli import main
+from posttrain.core import generalized_jsd, ppo_policy_loss, reverse_kl_advantages, vocab_kl
+from posttrain.data.synthetic import arithmetic_sft
+from posttrain.errors import UserError
+from posttrain.models import load_tokenizer
+from posttrain.rollout import SamplingParams
+from posttrain.trainers.config import load_config
+from posttrain.trainers.distill import DistillConfig, DistillTrainer, check_same_vocabulary
+from posttrain.trainers.distill import train as train_distill
+from posttrain.trainers.metrics import read_metrics
+
+# P = the teacher, Q = the student, as the paper names them; logits = log-probs
+P, Q = [0.5, 0.5], [0.9, 0.1]
+
+
+def _logits(*rows) -> torch.Tensor:
+    """[1, T, V] float64 logits whose softmax is each row."""
+    return torch.tensor([[[math.log(p) for p in row] for row in rows]], dtype=torch.float64)
+
+
+def _np_kl(p, q) -> float:
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    return float(np.sum(p * (np.log(p) - np.log(q))))
+
+
+def _np_softmax(z, tau=1.0):
+    z = np.asarray(z, dtype=np.float64) / tau
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+# -- the divergences by hand ----------------------------------------------------------------------------
+
+
+def test_vocab_kl_and_generalized_jsd_by_hand():
+    teacher, student, mask = _logits(P), _logits(Q), torch.ones(1, 1)
+    forward = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)  # KL(P‖Q) = 0.5108
+    reverse = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)  # KL(Q‖P) = 0.3681
+    assert_close(vocab_kl(torch.log_softmax(teacher, -1), torch.log_softmax(student, -1)), [[forward]])
+    assert_close(vocab_kl(torch.log_softmax(student, -1), torch.log_softmax(teacher, -1)), [[reverse]])
+    # β = 0.5: M = (0.7, 0.3)
+    half = 0.5 * (0.5 * math.log(0.5 / 0.7) + 0.5 * math.log(0.5 / 0.3)) + 0.5 * (
+        0.9 * math.log(0.9 / 0.7) + 0.1 * math.log(0.1 / 0.3)
+    )
+    assert_close(generalized_jsd(student, teacher, mask, beta=0.5), [[half]])
+    # β = 0.25: M = 0.25·P + 0.75·Q = (0.8, 0.2)
+    quarter = 0.25 * (0.5 * math.log(0.5 / 0.8) + 0.5 * math.log(0.5 / 0.2)) + 0.75 * (
+        0.9 * math.log(0.9 / 0.8) + 0.1 * math.log(0.1 / 0.2)
+    )
+    assert_close(generalized_jsd(student, teacher, mask, beta=0.25), [[quarter]])
+    # τ = 2: softmax(log q / 2) ∝ √q, so Q becomes (3/4, 1/4) and P stays (1/2, 1/2)
+    assert_close(generalized_jsd(student, teacher, mask, beta=1.0, temperature=2.0), [[_np_kl([0.75, 0.25], P)]])
+    assert_close(
+        generalized_jsd(student, teacher, mask, beta=1.0, temperature=2.0),
+        [[0.75 * math.log(1.5) + 0.25 * math.log(0.5)]],
+    )
+
+
+def test_generalized_jsd_matches_numpy_on_a_larger_vocabulary():
+    rng = np.random.default_rng(0)
+    zs, zt = rng.normal(size=(2, 3, 7)), rng.normal(size=(2, 3, 7)) * 2
+    for beta in (0.1, 0.5, 0.9):
+        for tau in (1.0, 0.7):
+            expected = np.zeros((2, 3))
+            for b in range(2):
+                for t in range(3):
+                    p, q = _np_softmax(zt[b, t], tau), _np_softmax(zs[b, t], tau)
+                    m = beta * p + (1 - beta) * q
+                    expected[b, t] = beta * _np_kl(p, m) + (1 - beta) * _np_kl(q, m)
+            got = generalized_jsd(torch.tensor(zs), torch.tensor(zt), torch.ones(2, 3), beta, tau)
+            assert_close(got, expected)
+
+
+def test_jsd_at_its_ends_is_the_kl_and_tends_to_it():
+    """β = 0 is KL(teacher‖student) and β = 1 KL(student‖teacher), exactly; near the ends the formula,
+    divided by β (resp. 1 − β), tends to the same numbers (as GKD states); β = 0.5 of disjoint supports is ln 2."""
+    rng = np.random.default_rng(1)
+    student, teacher = torch.tensor(rng.normal(size=(2, 3, 5))), torch.tensor(rng.normal(size=(2, 3, 5)))
+    mask = torch.ones(2, 3)
+    ls, lt = torch.log_softmax(student, -1), torch.log_softmax(teacher, -1)
+    forward, reverse = vocab_kl(lt, ls), vocab_kl(ls, lt)
+    assert_close(generalized_jsd(student, teacher, mask, beta=0.0), forward)
+    assert_close(generalized_jsd(student, teacher, mask, beta=1.0), reverse)
+    eps = 1e-7
+    assert_close(generalized_jsd(student, teacher, mask, beta=eps) / eps, forward, rtol=1e-5, atol=0)
+    assert_close(generalized_jsd(student, teacher, mask, beta=1 - eps) / eps, reverse, rtol=1e-5, atol=0)
+    apart = torch.tensor([[[60.0, 0.0]]], dtype=torch.float64), torch.tensor([[[0.0, 60.0]]], dtype=torch.float64)
+    assert_close(generalized_jsd(*apart, torch.ones(1, 1), beta=0.5), [[math.log(2)]], rtol=1e-10, atol=1e-12)
+
+
+def test_identical_student_and_teacher_give_zero_loss_and_zero_gradient():
+    logits = torch.tensor(np.random.default_rng(2).normal(size=(2, 4, 6)))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    for beta in (0.0, 0.3, 0.5, 1.0):
+        student = logits.clone().requires_grad_(True)
+        loss = generalized_jsd(student, logits, mask, beta, temperature=0.8).sum()
+        loss.backward()
+        assert abs(float(loss.detach())) < 1e-14
+        assert_close(student.grad, torch.zeros_like(logits), atol=1e-14)
+    logprobs = torch.log_softmax(logits, -1)[..., 0].clone().requires_grad_(True)
+    advantages = reverse_kl_advantages(logprobs.detach(), logprobs.detach(), mask)
+    loss, _ = ppo_policy_loss(logprobs, logprobs.detach(), advantages, mask)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and float(logprobs.grad.abs().max()) == 0.0
+
+
+def test_the_reverse_kl_gradient_by_hand():
+    """β = 1 over the vocabulary: ∂KL(q‖p)/∂z_q = q ⊙ (log q − log p − KL(q‖p)), written out for Q, P above.
+    The sampled-token form: A_t = log π_T − log π_θ, and at ratio 1 with token-mean over n tokens the
+    gradient on log π_θ(y_t) is −A_t / n = (log π_θ − log π_T)(y_t) / n."""
+    student = _logits(Q).requires_grad_(True)
+    generalized_jsd(student, _logits(P), torch.ones(1, 1), beta=1.0).sum().backward()
+    kl = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)
+    expected = [0.9 * (math.log(0.9 / 0.5) - kl), 0.1 * (math.log(0.1 / 0.5) - kl)]
+    assert_close(student.grad[0, 0], expected)
+
+    logprobs = torch.tensor([[-0.1, -2.0, -0.5]], dtype=torch.float64)
+    teacher = torch.tensor([[-0.3, -0.2, 9.9]], dtype=torch.float64)  # the third token is padding
+    mask = torch.tensor([[1, 1, 0]])
+    advantages = reverse_kl_advantages(logprobs, teacher, mask)
+    assert_close(advantages, [[-0.3 + 0.1, -0.2 + 2.0, 0.0]])
+    trained = logprobs.clone().requires_grad_(True)
+    loss, _ = ppo_policy_loss(trained, logprobs, advantages, mask, agg="token-mean")
+    loss.backward()
+    assert_close(trained.grad, [[(-0.1 + 0.3) / 2, (-2.0 + 0.2) / 2, 0.0]])
+
+
+def test_garbage_at_masked_positions_changes_nothing():
+    rng = np.random.default_rng(3)
+    student, teacher = torch.tensor(rng.normal(size=(2, 3, 5))), torch.tensor(rng.normal(size=(2, 3, 5)))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    dirty_s, dirty_t = student.clone(), teacher.clone()
+    dirty_s[0, 2], dirty_t[1, 1], dirty_t[1, 2] = torch.nan, torch.inf, -torch.inf
+    for beta in (0.0, 0.5, 1.0):
+        grads = []
+        for s, t in ((student, teacher), (dirty_s, dirty_t)):
+            s = s.clone().requires_grad_(True)
+            out = generalized_jsd(s, t, mask, beta)
+            out.sum().backward()
+            assert float(out.detach()[0, 2]) == 0.0 and float(out.detach()[1, 1]) == 0.0
+            grads.append((out.detach(), s.grad))
+        assert_close(grads[0][0], grads[1][0])
+        assert torch.equal(grads[0][1][~mask.bool()], torch.zeros(3, 5, dtype=torch.float64))
+        assert_close(grads[0][1], grads[1][1])
+    with pytest.raises(ValueError, match="one vocabulary"):
+        generalized_jsd(student, teacher[..., :4], mask)
+    with pytest.raises(ValueError, match="beta must be in"):
+        generalized_jsd(student, teacher, mask, beta=1.5)
+
+
+# -- the trainer on tiny models ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(64, seed=1, low=0, high=9)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _distill(student, teacher, prompts, out, *overrides) -> DistillConfig:
+    base = [
+        f"model.path={student}",
+        f"teacher.path={teacher}",
+        f"data.path={prompts}",
+        "data.chat_template=never",
+        f"run.output_dir={out}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "sampling.max_new_tokens=4",
+        "num_generations=2",
+        "run.batch_size=16",
+        "run.micro_batch_size=16",
+        "optim.lr=1e-3",
+    ]
+    return load_config(DistillConfig, None, base + list(overrides))
+
+
+@pytest.mark.parametrize("loss", ["reverse_kl", "jsd"])
+def test_a_teacher_equal_to_the_student_gives_zero_loss_at_step_one(tiny_dir, prompts, tmp_path, loss):
+    policy = str(tiny_dir / "policy")
+    config = _distill(
+        policy, policy, prompts, tmp_path / loss, f"loss={loss}", "run.max_steps=1", "optim.max_grad_norm=null"
+    )
+    train_distill(config)
+    (record,) = read_metrics(config.run.output_dir)
+    assert abs(record["distill/reverse_kl"]) < 1e-6
+    assert record["distill/teacher_logprob"] == pytest.approx(record["distill/student_logprob"], abs=1e-6)
+    assert abs(record["policy/loss"]) < 1e-6 and record["grad_norm"] < 1e-5
+    if loss == "jsd":
+        assert abs(record["policy/jsd"]) < 1e-7 and abs(record["policy/reverse_kl_vocab"]) < 1e-7
+    else:
+        assert record["policy/first_minibatch_ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert record["passes/teacher"] == 1
+
+
+def _varied_rollout(trainer, T=5):
+    """16 responses of exactly T tokens, then response masks of lengths 1..T so the reductions differ."""
+    prompts = [p.prompt_ids for p in trainer.prompts[:16]]
+    torch.manual_seed(0)
+    rollout = trainer.engine.generate(prompts, SamplingParams(max_new_tokens=T, min_new_tokens=T))
+    lengths = torch.tensor([1 + i % T for i in range(16)])
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    return replace(rollout, response_mask=mask, truncated=torch.zeros(16, dtype=torch.bool))
+
+
+def _grads_of_update(trainer, rollout, padding_ids=None):
+    """The student's gradient after one update of ``rollout`` (parameters restored afterwards)."""
+    if padding_ids is not None:  # other tokens where the response mask is 0
+        rollout = replace(
+            rollout, response_ids=torch.where(rollout.response_mask.bool(), rollout.response_ids, padding_ids)
+        )
+    model = trainer.actor.model
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {}
+    hook = trainer.actor.optimizer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: grads.update({id(p): p.grad.clone() for g in opt.param_groups for p in g["params"]})
+    )
+    mask = rollout.response_mask
+    old = torch.where(mask.bool(), rollout.logprobs, 0.0)
+    advantages = None
+    if trainer.config.loss == "reverse_kl":
+        teacher = torch.where(mask.bool(), rollout.logprobs - 0.3 * torch.arange(mask.shape[1]), 0.0)
+        advantages = reverse_kl_advantages(old, teacher, mask)
+    trainer.update(0, rollout, old, advantages, mask)
+    hook.remove()
+    model.load_state_dict(saved)
+    return grads
+
+
+@pytest.mark.parametrize(
+    ("loss", "agg"), [("reverse_kl", "token-mean"), ("jsd", "token-mean"), ("jsd", "seq-mean-token-mean")]
+)
+def test_micro_batches_and_padding_change_nothing(noisy_sft, tiny_dir, prompts, tmp_path, loss, agg):
+    """One micro-batch of 16 rows, 16 of 1 and 5 + 5 + 5 + 1 give one gradient; tokens where the response
+    mask is 0 change nothing (they never count)."""
+    config = _distill(
+        str(tiny_dir / "policy"),
+        noisy_sft["policy"],
+        prompts,
+        tmp_path / "mb",
+        f"loss={loss}",
+        f"loss_agg={agg}",
+        "optim.max_grad_norm=null",
+    )
+    trainer = DistillTrainer(config)
+    rollout = _varied_rollout(trainer)
+    whole = _grads_of_update(trainer, rollout)
+    assert max(float(g.abs().max()) for g in whole.values()) > 1e-4  # a gradient that could differ
+    for micro in (1, 5):
+        trainer.config.run.micro_batch_size = micro
+        split = _grads_of_update(trainer, rollout)
+        for key in whole:
+            torch.testing.assert_close(split[key], whole[key], rtol=1e-4, atol=1e-7)
+    other = _grads_of_update(trainer, rollout, padding_ids=torch.full_like(rollout.response_ids, 7))
+    for key in whole:
+        torch.testing.assert_close(other[key], whole[key], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss", ["reverse_kl", "jsd"])
+def test_the_reverse_kl_to_the_teacher_falls(noisy_sft, tiny_dir, prompts, tmp_path, loss):
+    """The noisy SFT model (sharp answers) distilled towards the untrained tiny model (its next-token
+    distributions near uniform): the reverse KL per token falls from ~4.2 nats as the student spreads out.
+    (From the untrained student towards the SFT model the sampled-token form learns too, but slowly and
+    noisily: every advantage starts near −7, with no baseline.)"""
+    config = _distill(
+        noisy_sft["policy"],
+        str(tiny_dir / "policy"),
+        prompts,
+        tmp_path / loss,
+        f"loss={loss}",
+        *(["beta=1.0"] if loss == "jsd" else []),  # jsd at β = 1: the reverse KL over the vocabulary
+        "run.max_steps=20",
+        "optim.lr=1e-2",
+    )
+    train_distill(config)
+    records = read_metrics(config.run.output_dir)
+    kl = [r["distill/reverse_kl"] for r in records]
+    assert kl[0] > 3 and sum(kl[-3:]) / 3 < 0.3 * kl[0], kl
+    for key in ("score/mean", "response_length/mean", "time/train", "distill/reverse_kl_per_sequence", "grad_norm"):
+        assert key in records[-1], key
+
+
+def test_resume_reproduces_the_uninterrupted_run(noisy_sft, tiny_dir, prompts, tmp_path):
+    """2 steps, a checkpoint, a crash in step 3, a resume: the weights and the last steps' numbers of 4
+    straight steps (the prompt cursor and the sampler's RNG come back; docs/pitfalls.md #13)."""
+    common = ["run.max_steps=4", "run.save_every=2", "loss=jsd", "minibatches=2"]
+    student, teacher = str(tiny_dir / "policy"), noisy_sft["policy"]
+    train_distill(_distill(student, teacher, prompts, tmp_path / "straight", *common))
+    crashed = _distill(student, teacher, prompts, tmp_path / "crashed", *common)
+    with pytest.raises(KeyboardInterrupt):
+        train_distill(crashed, callbacks=[crash_at(3)])
+    train_distill(_distill(student, teacher, prompts, tmp_path / "crashed", *common, "run.resume_from=latest"))
+    a = load_file(tmp_path / "straight" / "final" / "policy" / "model.safetensors")
+    b = load_file(tmp_path / "crashed" / "final" / "policy" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    kl = {name: [r["distill/reverse_kl"] for r in read_metrics(tmp_path / name)] for name in ("straight", "crashed")}
+    assert kl["crashed"][-2:] == kl["straight"][-2:]
+
+
+def test_the_teacher_must_share_the_tokenizer(tiny_dir, tmp_path):
+    tokenizer = load_tokenizer(str(tiny_dir / "policy"))
+    check_same_vocabulary(tokenizer, tokenizer, 100, 128, "reverse_kl", "t")  # the sampled tokens only: fine
+    with pytest.raises(UserError, match="loss=jsd compares .* 100 and 128 entries"):
+        check_same_vocabulary(tokenizer, tokenizer, 100, 128, "jsd", "t")
+    other = load_tokenizer(str(tiny_dir / "policy"))
+    other.add_tokens(["<extra>"])
+    with pytest.raises(UserError, match="its tokenizer is not the student's \\(101 tokens against 100"):
+        check_same_vocabulary(tokenizer, other, 100, 100, "reverse_kl", "t")
+
+
+def test_cli_yaml_overrides_a_larger_teacher_and_errors_that_name_the_field(tiny_dir, prompts, tmp_path, capsys):
+    """``posttrain distill`` from a YAML file with key=value overrides, from a teacher twice the student's
+    width and depth (the same tokenizer); a teacher with another tokenizer stops at start, exit 2."""
+    from posttrain.models.tiny import build_tiny
+
+    teacher = build_tiny(tmp_path / "big", hidden_size=256, intermediate_size=512, num_hidden_layers=4, seed=3)
+    config = tmp_path / "distill.yaml"
+    config.write_text(
+        f"model: {{path: {tiny_dir / 'policy'}}}\nteacher: {{path: {teacher}}}\n"
+        f"data: {{path: {prompts}, chat_template: never}}\nsampling: {{max_new_tokens: 4}}\n"
+        "run: {batch_size: 8, micro_batch_size: 4, progress: false, report_to: [jsonl]}\n"
+    )
+    out = tmp_path / "cli"
+    assert main(["distill", "--config", str(config), f"run.output_dir={out}", "run.max_steps=2", "loss=jsd"]) == 0
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2] and records[-1]["passes/teacher"] == 2
+    assert (out / "final" / "policy" / "config.json").is_file()
+
+    other = build_tiny(tmp_path / "other", seed=4)
+    extended = load_tokenizer(str(other))
+    extended.add_tokens(["<extra>"])  # one token more: the student's ids no longer mean the same to it
+    extended.save_pretrained(other)
+    with pytest.raises(SystemExit) as stop:
+        main(["distill", "--config", str(config), f"teacher.path={other}", f"run.output_dir={tmp_path / 'x'}"])
+    assert stop.value.code == 2 and "its tokenizer is not the student's" in capsys.readouterr().err
+    for override, message in (
+        ("loss=kl", "loss must be one of"),
+        ("beta=1.5", "beta must be in"),
+        ("temperature=0.5", "temperature=0.5 with loss=reverse_kl"),
+        ("teacher.device=cpu", "use teacher_device"),
+        ("data.eval_fraction=0.1", "data.eval_fraction=0.1 asks for a held-out evaluation"),
+        ("beta=0.2", "beta=0.2 is the generalized JSD's mixture weight: it needs loss=jsd"),
+        ("loss=jsd clip_high=0.3", "clip_high clips reverse_kl's importance ratio"),
+        ("loss=jsd rollout.engine=vllm rollout.importance_sampling=token", "importance_sampling=token: loss=jsd"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            load_config(DistillConfig, str(config), override.split())
