@@ -50,7 +50,6 @@ from posttrain.models import (
     sequence_logprobs,
     shared_prefix_logprobs,
 )
-from posttrain.trainers import engines
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -64,6 +63,7 @@ from posttrain.trainers.loop import (
     PhaseTimer,
     Trainable,
     build_accelerator,
+    offline_reference,
     precompute_pass,
     run_offline,
     split_train_eval,
@@ -267,11 +267,6 @@ class DPOTask:
         return metrics
 
 
-def build_reference(config: DPOConfig, policy, accelerator) -> Reference:
-    share = "copy" if config.reference == "precompute" else config.reference  # precompute: a copy, for one pass
-    return engines.build_reference(accelerator, policy, config.model, share, config.reference_path)
-
-
 def precompute_reference(
     forward, examples: list[DPOExample], collate, micro_batch_size: int, device, show: bool = False
 ) -> None:
@@ -307,15 +302,12 @@ def train(config: DPOConfig, callbacks=()) -> dict:
     task = DPOTask(None, tokenizer.pad_token_id, config)
     if config.reference_free:
         accelerator.print(f"[dpo] loss_type={config.loss_type} is reference-free: no reference model is loaded")
-    elif config.reference_path or config.reference != "precompute" or engines.zero_stage(accelerator) == 3:
-        task.reference = build_reference(config, policy, accelerator)
+    else:
+        task.reference = offline_reference(config, policy, accelerator)
     # packed rows run through the policy and a separate reference model alike: both must take them
     models = [policy] + ([task.reference.model] if task.reference and task.reference.model is not None else [])
     task.shared = resolve_shared_prefix(config.shared_prefix, models, lambda line: accelerator.print(f"[dpo] {line}"))
-    if config.reference == "precompute":
-        # a separate model (reference_path; or under ZeRO-3, where the policy may be sharded already and only a
-        # prepared engine runs a sharded forward) is loaded for the pass and dropped after it; else the starting
-        # policy is the reference: no copy at all
+    if config.reference == "precompute":  # with no separate model, the starting policy is the reference
         forward = (
             task.reference_logps
             if task.reference is not None

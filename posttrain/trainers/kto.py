@@ -24,7 +24,6 @@ import torch
 from posttrain.core import kto_loss, kto_reference_point
 from posttrain.data import DataConfig, SequenceBatch, UnpairedExample, collate, load_unpaired, rendered
 from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
-from posttrain.trainers import engines
 from posttrain.trainers.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -40,6 +39,7 @@ from posttrain.trainers.loop import (
     Trainable,
     build_accelerator,
     global_sum,
+    offline_reference,
     precompute_pass,
     run_offline,
     split_train_eval,
@@ -262,12 +262,8 @@ def train(config: KTOConfig, callbacks=()) -> dict:
     eval_examples = mismatched_pairs(eval_rows, config.run.seed + 1, max_length) if eval_rows else []
     policy = load_policy(replace(config.model, device=str(accelerator.device)))
     task = KTOTask(None, tokenizer.pad_token_id, config)
-    if config.reference_path or config.reference != "precompute" or engines.zero_stage(accelerator) == 3:
-        share = "copy" if config.reference == "precompute" else config.reference  # precompute: a copy, for one pass
-        task.reference = engines.build_reference(accelerator, policy, config.model, share, config.reference_path)
-    if config.reference == "precompute":
-        # as in DPO: a separate model (reference_path, or a copy under ZeRO-3) is dropped after the pass;
-        # else the starting policy is the reference and no copy is made
+    task.reference = offline_reference(config, policy, accelerator)
+    if config.reference == "precompute":  # with no separate model, the starting policy is the reference
         forward = task.reference_logps if task.reference is not None else partial(completion_logps, policy)
         examples = train_examples + eval_examples
         show = config.run.progress and accelerator.is_main_process

@@ -127,6 +127,17 @@ class StepSchedule:
         return order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
 
 
+def offline_reference(config, policy, accelerator):
+    """DPO's and KTO's frozen reference (``config.reference``, ``reference_path``), or None where
+    ``reference=precompute`` lets the starting policy compute the one pass itself: a separate model is built
+    for that pass only when ``reference_path`` names one, or under ZeRO-3 (the policy may be sharded already,
+    and only a prepared engine runs a sharded forward); it is dropped after the pass."""
+    if not (config.reference_path or config.reference != "precompute" or engines.zero_stage(accelerator) == 3):
+        return None
+    share = "copy" if config.reference == "precompute" else config.reference  # precompute: a copy, for one pass
+    return engines.build_reference(accelerator, policy, config.model, share, config.reference_path)
+
+
 def precompute_pass(
     examples: list, micro_batch_size: int, store: Callable[[list], None], desc: str, show: bool
 ) -> None:
