@@ -45,9 +45,9 @@ def main() -> None:
     from posttrain.data.synthetic import arithmetic_sft
     from posttrain.demo import GRPO_SETTINGS
     from posttrain.models.tiny import build_tiny
+    from posttrain.runtime.config import load_config
+    from posttrain.runtime.metrics import read_metrics
     from posttrain.trainers import grpo, sft
-    from posttrain.trainers.config import load_config
-    from posttrain.trainers.metrics import read_metrics
 
     root = Path(args.out or tempfile.mkdtemp())
     common = ["run.progress=false", "data.chat_template=never", "run.report_to=[jsonl]", "run.overwrite=true"]

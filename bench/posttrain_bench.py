@@ -35,7 +35,7 @@ import common  # noqa: E402
 
 
 def run_config(args, out: Path, batch_size: int):
-    from posttrain.trainers.config import OptimConfig, RunConfig
+    from posttrain.runtime.config import OptimConfig, RunConfig
 
     run = RunConfig(
         output_dir=str(out / "run"),  # beside the data files: a run refuses a folder that holds anything

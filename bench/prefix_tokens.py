@@ -30,8 +30,8 @@ def main() -> None:
     from posttrain.core import forward_cost
     from posttrain.data import DataConfig, load_preferences
     from posttrain.models import ModelConfig, load_causal_lm, load_tokenizer
+    from posttrain.runtime.prefix import SharedPrefix, model_size
     from posttrain.trainers.dpo import DPOConfig, DPOTask
-    from posttrain.trainers.prefix import SharedPrefix, model_size
 
     root = Path(tempfile.mkdtemp(prefix="prefix-tokens-"))
     data = common.write_jsonl(common.preference_pairs(args.pairs), root / "pairs.jsonl")

@@ -33,9 +33,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from posttrain.data.synthetic import arithmetic_sft
     from posttrain.models.tiny import build_tiny
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
+    from posttrain.runtime.metrics import read_metrics
     from posttrain.trainers.grpo import GRPOConfig, train
-    from posttrain.trainers.metrics import read_metrics
 
     root = Path(tempfile.mkdtemp())
     build_tiny(root / "policy", kind="causal", seed=0)

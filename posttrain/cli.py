@@ -22,30 +22,11 @@ import sys
 import textwrap
 
 from posttrain import __version__
-
-# command -> (module, config class, one-line description)
-TRAINERS = {
-    "sft": ("posttrain.trainers.sft", "SFTConfig", "supervised fine-tuning on completion tokens"),
-    "rm": ("posttrain.trainers.rm", "RMConfig", "reward model from preference pairs or K-way rankings"),
-    "dpo": ("posttrain.trainers.dpo", "DPOConfig", "direct preference optimization (and SimPO, ORPO)"),
-    "kto": ("posttrain.trainers.kto", "KTOConfig", "KTO on unpaired desirable / undesirable completions"),
-    "ppo": ("posttrain.trainers.ppo", "PPOConfig", "RLHF-PPO: policy, reference, reward model and critic"),
-    "grpo": ("posttrain.trainers.grpo", "GRPOConfig", "GRPO and its variants (DAPO, Dr. GRPO, RLOO, REINFORCE++)"),
-    "online-dpo": (
-        "posttrain.trainers.online_dpo",
-        "OnlineDPOConfig",
-        "online DPO: pairs the policy samples, ranked by rewards, a reward model or a judge",
-    ),
-    "distill": (
-        "posttrain.trainers.distill",
-        "DistillConfig",
-        "on-policy distillation from a frozen teacher (reverse KL, GKD's generalized JSD)",
-    ),
-}
+from posttrain.trainers import TRAINERS
 
 
 def _options_help(config_class) -> str:
-    from posttrain.trainers.config import describe
+    from posttrain.runtime.config import describe
 
     lines = ["options (set in the YAML file or as key=value):"]
     for key, default, doc in describe(config_class):
@@ -192,8 +173,8 @@ _GENERATION_FLAGS = {
 def _run_reward_model_eval(parser, args) -> int:
     """``posttrain eval`` of a reward model on ranked pairs (``trainers.rm.evaluate``)."""
     from posttrain.monitor.evaluate import format_table
-    from posttrain.trainers.config import load_config
-    from posttrain.trainers.inputs import check_inputs
+    from posttrain.runtime.config import load_config
+    from posttrain.runtime.inputs import check_inputs
     from posttrain.trainers.rm import RMEvalConfig, evaluate
 
     given = [f"--{k.replace('_', '-')}" for k, default in _GENERATION_FLAGS.items() if getattr(args, k) != default]
@@ -227,8 +208,8 @@ def _run_eval(parser, args) -> int:
     from posttrain.models import is_reward_checkpoint
     from posttrain.models.gguf import as_checkpoint
     from posttrain.monitor.evaluate import EvalRunConfig, evaluate_checkpoint, format_table
-    from posttrain.trainers.config import load_config
-    from posttrain.trainers.inputs import check_inputs, check_model_path
+    from posttrain.runtime.config import load_config
+    from posttrain.runtime.inputs import check_inputs, check_model_path
 
     try:  # a GGUF file (or a packaged one) is evaluated through the checkpoint converted from it
         args.model = as_checkpoint(args.model)
@@ -363,8 +344,8 @@ def _run_vllm_serve(parser, args) -> int:
 def _run_trainer(parser, args) -> int:
     module_name, class_name, _ = TRAINERS[args.command]
     module = importlib.import_module(module_name)
-    from posttrain.trainers.config import load_config
-    from posttrain.trainers.inputs import check_inputs
+    from posttrain.runtime.config import load_config
+    from posttrain.runtime.inputs import check_inputs
 
     try:
         config = load_config(getattr(module, class_name), args.config, args.overrides)
@@ -372,7 +353,7 @@ def _run_trainer(parser, args) -> int:
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"posttrain {args.command}: error: {err}\n")
     from posttrain.errors import UserError
-    from posttrain.trainers.checkpoint import NonFiniteError
+    from posttrain.runtime.checkpoint import NonFiniteError
 
     # the process group is torn down after a run and after the errors every process raises together;
     # not after any other error, where the other processes may still be inside a collective

@@ -32,8 +32,8 @@ from posttrain.models.tiny import build_tiny
 from posttrain.monitor.alerts import read_alerts
 from posttrain.monitor.report import write_report
 from posttrain.rollout import RolloutConfig, SamplingParams, build_engine
-from posttrain.trainers.config import load_config
-from posttrain.trainers.metrics import read_metrics
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
 
 GRPO_SETTINGS = [
     "run.batch_size=128",

@@ -17,8 +17,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from posttrain.demo import _finish_stage, _progress, _write
-from posttrain.trainers.config import load_config
-from posttrain.trainers.metrics import read_metrics
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
 
 QUESTION = "What is {a} + {b}? Answer with the number only."
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import yaml
 
 from posttrain.data.hub import FILE_SUFFIXES
-from posttrain.trainers.checkpoint import STATE_FILE
-from posttrain.trainers.metrics import read_metrics
+from posttrain.runtime.checkpoint import STATE_FILE
+from posttrain.runtime.metrics import read_metrics
 
 KEY_SETTINGS = (
     "optim.lr",
@@ -67,7 +67,7 @@ def find_model(source: str | Path) -> tuple[Path, Path]:
 
 def method_of(config: dict) -> str:
     """The trainer whose config has exactly these sections (config.yaml does not name it)."""
-    from posttrain.cli import TRAINERS
+    from posttrain.trainers import TRAINERS
 
     for name, (module, class_name, _) in TRAINERS.items():
         fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), class_name))}

@@ -55,8 +55,8 @@ def noisy_sft(tiny_dir, tmp_path_factory):
     """A tiny model SFT'd on single-digit sums from a demonstrator that is off by one half the time:
     about half of its samples are right, and a verifiable reward can tell which."""
     from posttrain.data.synthetic import arithmetic_sft
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import sft
-    from posttrain.trainers.config import load_config
 
     root = tmp_path_factory.mktemp("noisy_sft")
     data = write_jsonl(root / "sft.jsonl", arithmetic_sft(2000, seed=0, low=0, high=9, noise=0.5))

@@ -25,8 +25,9 @@ import torch
 
 from posttrain.cli import _end_distributed
 from posttrain.rollout.base import concat_rollouts
-from posttrain.trainers import distill, dpo, grpo, kto, online, online_dpo, ppo, rm, sft
-from posttrain.trainers.config import load_config
+from posttrain.runtime import online
+from posttrain.runtime.config import load_config
+from posttrain.trainers import distill, dpo, grpo, kto, online_dpo, ppo, rm, sft
 
 TRAINERS = {
     "sft": (sft.SFTConfig, sft.train),

@@ -1,4 +1,4 @@
-"""Checks of posttrain/trainers/engines.py inside a real DeepSpeed run (tests/test_deepspeed.py launches it
+"""Checks of posttrain/runtime/engines.py inside a real DeepSpeed run (tests/test_deepspeed.py launches it
 on two processes with ``accelerate launch --config_file examples/accelerate/zero{2,3}.yaml``).
 
 Prints one JSON line from the main process: {check: value}.
@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-from posttrain.trainers import engines
-from posttrain.trainers.config import OptimConfig, RunConfig
-from posttrain.trainers.loop import NonFiniteGuard, build_optimizer
+from posttrain.runtime import engines
+from posttrain.runtime.config import OptimConfig, RunConfig
+from posttrain.runtime.loop import NonFiniteGuard, build_optimizer
 
 
 def _weights(accelerator, model) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Checks of posttrain/trainers/engines.py inside a real FSDP2 run, then trainer runs, in one launch
+"""Checks of posttrain/runtime/engines.py inside a real FSDP2 run, then trainer runs, in one launch
 (tests/test_fsdp.py starts it on two CPU processes with ``accelerate launch --config_file
 examples/accelerate/fsdp2.yaml``; one start-up for everything).
 
@@ -22,9 +22,9 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from posttrain.models import ModelConfig, load_policy, load_reward_model, sequence_scores
-from posttrain.trainers import engines
-from posttrain.trainers.config import OptimConfig, RunConfig
-from posttrain.trainers.loop import NonFiniteGuard, build_optimizer, optimizer_step
+from posttrain.runtime import engines
+from posttrain.runtime.config import OptimConfig, RunConfig
+from posttrain.runtime.loop import NonFiniteGuard, build_optimizer, optimizer_step
 
 
 def _local_share(model: torch.nn.Module) -> float:
@@ -151,7 +151,7 @@ def refusals(out: dict) -> None:
 def lora_vllm_refused(accelerator, tiny: Path, folder: Path, out: dict) -> None:
     """rollout.engine=vllm with a LoRA policy under FSDP2 stops at start naming both: merging sharded
     adapters for vLLM is not built (vLLM would otherwise receive the base weights' shards)."""
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
     data = folder / f"lora_vllm_prompts.{accelerator.process_index}.jsonl"

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from posttrain.cli import _end_distributed
-from posttrain.trainers import grpo, online
-from posttrain.trainers.config import load_config
+from posttrain.runtime import online
+from posttrain.runtime.config import load_config
+from posttrain.trainers import grpo
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

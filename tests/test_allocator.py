@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from posttrain.trainers.config import load_config
+from posttrain.runtime.config import load_config
 from posttrain.trainers.sft import SFTConfig
 
 # the page faults of steps 4-15 of a tiny Llama's forward + backward + AdamW on [16, 66], in a fresh
@@ -16,8 +16,8 @@ STEPS = textwrap.dedent(
     """
     import resource, sys, torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from posttrain.trainers.config import RunConfig
-    from posttrain.trainers.engines import build_accelerator, keep_freed_memory
+    from posttrain.runtime.config import RunConfig
+    from posttrain.runtime.engines import build_accelerator, keep_freed_memory
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -80,7 +80,7 @@ def test_the_users_own_malloc_settings_win(variable, value, applied):
     """Review finding: the fixed thresholds overrode a user's MALLOC_* / GLIBC_TUNABLES settings."""
     import os
 
-    code = "from posttrain.trainers.engines import keep_freed_memory; print(keep_freed_memory())"
+    code = "from posttrain.runtime.engines import keep_freed_memory; print(keep_freed_memory())"
     # the check reads the variables, so a preload that does not exist here changes nothing else
     env = {**os.environ, variable: value} if variable != "LD_PRELOAD" else {**os.environ}
     if variable == "LD_PRELOAD":
@@ -93,7 +93,7 @@ def test_the_users_own_malloc_settings_win(variable, value, applied):
 RELEASE = textwrap.dedent(
     """
     import torch
-    from posttrain.trainers.engines import keep_freed_memory, release_freed_memory
+    from posttrain.runtime.engines import keep_freed_memory, release_freed_memory
 
     def rss_mib():
         return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024

@@ -37,8 +37,8 @@ def test_rankings_of_mixed_k_scored_at_once_equal_one_at_a_time(tiny_dir, tokeni
 
 
 def test_optimizer_is_the_fused_adamw_on_cpu():
-    from posttrain.trainers.config import OptimConfig
-    from posttrain.trainers.loop import build_optimizer
+    from posttrain.runtime.config import OptimConfig
+    from posttrain.runtime.loop import build_optimizer
 
     model = torch.nn.Linear(4, 2)
     optimizer, _ = build_optimizer(model.parameters(), OptimConfig(lr=1e-3), total_steps=10)

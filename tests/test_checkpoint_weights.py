@@ -9,14 +9,14 @@ from peft import LoraConfig, get_peft_model
 
 from posttrain.models import ModelConfig, load_policy, load_scalar_model
 from posttrain.models.roles import PolicyWithValueHead, RewardScorer, ValueModel
-from posttrain.trainers.weights import restore_weights
+from posttrain.runtime.weights import restore_weights
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
 
 
 def test_a_checkpoint_holds_the_weights_once(tiny_dir, tmp_path):
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import sft
-    from posttrain.trainers.config import load_config
 
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(8)))

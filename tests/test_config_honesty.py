@@ -9,11 +9,11 @@ import pytest
 from posttrain.data.synthetic import arithmetic_sft
 from posttrain.models import ModelConfig
 from posttrain.rewards import RewardSpec
+from posttrain.runtime.config import load_config, to_dict
+from posttrain.runtime.metrics import read_metrics
 from posttrain.trainers import grpo, ppo
-from posttrain.trainers.config import load_config, to_dict
 from posttrain.trainers.dpo import DPOConfig
 from posttrain.trainers.grpo import GRPOConfig
-from posttrain.trainers.metrics import read_metrics
 from posttrain.trainers.ppo import PPOConfig
 from posttrain.trainers.rm import RMConfig
 from posttrain.trainers.sft import SFTConfig
@@ -152,8 +152,8 @@ def test_reward_model_with_lora_trains_and_saves_an_adapter(tiny_dir, tmp_path):
 
     from posttrain.data.synthetic import vowel_pairs
     from posttrain.models import RewardScorer, load_reward_model, load_tokenizer
+    from posttrain.runtime.loop import split_train_eval
     from posttrain.trainers import rm
-    from posttrain.trainers.loop import split_train_eval
 
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in vowel_pairs(40, seed=0)))

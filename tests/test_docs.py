@@ -225,7 +225,7 @@ def test_config_page_lists_every_section_field():
     from posttrain.monitor import AlertConfig, EvalConfig
     from posttrain.rewards import RewardSpec
     from posttrain.rollout import RolloutConfig, SamplingParams
-    from posttrain.trainers.config import OptimConfig, RunConfig
+    from posttrain.runtime.config import OptimConfig, RunConfig
 
     sections = {
         "model": ModelConfig,

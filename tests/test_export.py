@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from posttrain.cli import main
-from posttrain.trainers.metrics import read_metrics
+from posttrain.runtime.metrics import read_metrics
 
 LORA = "model.lora={r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj], lora_dropout: 0.0, init_lora_weights: false}"
 
 
 def _sft(tiny_dir, tmp_path, monkeypatch, *extra):
     """2 SFT steps from a *relative* model path (the working directory is tmp_path)."""
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import sft
-    from posttrain.trainers.config import load_config
 
     shutil.copytree(tiny_dir / "policy", tmp_path / "base")
     data = tmp_path / "sft.jsonl"

@@ -23,7 +23,7 @@ from test_ddp_roles import LR, _jsonl, updates
 from test_ddp_roles import _runs as ddp_runs
 
 from posttrain.data.synthetic import vowel_pairs
-from posttrain.trainers.metrics import read_metrics
+from posttrain.runtime.metrics import read_metrics
 
 ROOT = Path(__file__).parent.parent
 CHECKS = Path(__file__).parent / "fsdp_checks.py"

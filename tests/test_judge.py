@@ -14,8 +14,8 @@ from posttrain.models import ModelConfig, load_causal_lm, load_tokenizer
 from posttrain.rewards import RewardComposer, RewardSpec
 from posttrain.rewards.judge import judge_score, judge_yes_probability, load_judge, parse_verdict, render
 from posttrain.rollout import SamplingParams
-from posttrain.trainers.config import load_config
-from posttrain.trainers.metrics import read_metrics
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
 
 SUMS = ["3+4=", "1+2=", "9+9=", "0+7=", "5+5=", "8+1=", "2+6=", "4+4="]
 

@@ -12,10 +12,10 @@ from conftest import write_jsonl
 
 from posttrain.monitor.alerts import RULES, AlertConfig, HealthMonitor, pearson, read_alerts
 from posttrain.monitor.evaluate import pass_at_k, summarize
-from posttrain.trainers.config import load_config
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
 from posttrain.trainers.grpo import GRPOConfig
 from posttrain.trainers.grpo import train as train_grpo
-from posttrain.trainers.metrics import read_metrics
 from posttrain.trainers.ppo import PPOConfig
 from posttrain.trainers.ppo import train as train_ppo
 
@@ -214,7 +214,7 @@ def test_metrics_jsonl_is_strict_json_and_every_reader_reads_nan_back(tmp_path):
     """New-user finding 17: metrics.jsonl held bare NaN, which jq and strict JSON parsers refuse."""
     from posttrain.monitor.records import strict_json
     from posttrain.monitor.report import write_report
-    from posttrain.trainers.metrics import MetricsLogger
+    from posttrain.runtime.metrics import MetricsLogger
 
     logger = MetricsLogger(tmp_path / "run", ["jsonl"], {}, progress=False)
     logger.log(1, {"reward/mean": math.nan, "grad_norm": math.inf, "loss": 0.5})
@@ -243,7 +243,7 @@ def test_alerts_go_to_console_and_jsonl_with_what_was_seen_causes_and_remedy(tmp
     (alert,) = read_alerts(tmp_path)
     assert alert["id"] == 4 and alert["step"] == 1 and "1.5" in alert["seen"]
     assert alert["causes"] and alert["remedy"] and "[alert 4" in seen[0] and alert["remedy"] in seen[0]
-    assert len({r.id for r in RULES}) == 11 and all(r.causes.endswith(".") and r.remedy.endswith(".") for r in RULES)
+    assert len({r.id for r in RULES}) == 12 and all(r.causes.endswith(".") and r.remedy.endswith(".") for r in RULES)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ import torch
 from helpers import assert_adam_trained_alike
 from safetensors.torch import load_file
 
-from posttrain.trainers.config import load_config
-from posttrain.trainers.metrics import read_metrics
-from posttrain.trainers.online import reference_logprobs
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
+from posttrain.runtime.online import reference_logprobs
 from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, PairBatch, preference_pairs, train
 
 EXACT = "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]"

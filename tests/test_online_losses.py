@@ -10,10 +10,10 @@ import torch
 from posttrain.core import AGGREGATION_MODES
 from posttrain.data.synthetic import arithmetic_sft
 from posttrain.rollout import SamplingParams
-from posttrain.trainers import online
-from posttrain.trainers.config import load_config
+from posttrain.runtime import online
+from posttrain.runtime.config import load_config
+from posttrain.runtime.online import PhaseTimer
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-from posttrain.trainers.online import PhaseTimer
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
 REWARDS = '''

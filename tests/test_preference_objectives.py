@@ -13,12 +13,12 @@ from posttrain.core import kto_loss, kto_reference_point, orpo_loss, simpo_loss
 from posttrain.core.losses import log_odds
 from posttrain.data import DataConfig, DataError, load_preferences, load_sft, load_unpaired
 from posttrain.data.synthetic import arithmetic_pairs, arithmetic_sft, unpaired
-from posttrain.trainers.config import load_config
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
 from posttrain.trainers.dpo import DPOConfig
 from posttrain.trainers.dpo import train as train_dpo
 from posttrain.trainers.kto import KTOConfig, KTOTask, mismatched_pairs
 from posttrain.trainers.kto import train as train_kto
-from posttrain.trainers.metrics import read_metrics
 
 LOG_SIGMOID = lambda x: -math.log1p(math.exp(-x))  # noqa: E731
 

@@ -87,7 +87,7 @@ def test_the_converted_checkpoint_is_the_gguf_model(smollm2, tokenizer):
 
 def test_sft_trains_exactly_the_assistant_tokens_and_the_end_of_turn(smollm2, tokenizer, tmp_path):
     from posttrain.data import DataConfig, load_sft
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
     from posttrain.trainers.sft import SFTConfig, train
 
     rows = [{"prompt": _chat(q), "completion": f"The answer is {a}."} for q, a in QUESTIONS]
@@ -111,8 +111,8 @@ def test_sft_trains_exactly_the_assistant_tokens_and_the_end_of_turn(smollm2, to
 
 
 def test_dpo_starts_at_ln2_and_the_reward_model_takes_a_finite_step(smollm2, tmp_path):
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import dpo, rm
-    from posttrain.trainers.config import load_config
 
     pairs = [{"prompt": _chat(q), "chosen": f"The answer is {a}.", "rejected": "I do not know."} for q, a in QUESTIONS]
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
@@ -135,7 +135,7 @@ def test_grpo_starts_on_policy_and_stops_at_the_end_of_turn(smollm2, tokenizer, 
     """The sampler's log-probs are the training forward's to float32 rounding: 30 layers, written-out decode
     steps against a packed training forward, keep |ratio − 1| below 1e-4 (measured 4e-5; 1e-5 on the tiny
     models, whose rounding has 2 layers to grow through). KL to the reference is 0 at the first step."""
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
     from posttrain.trainers.grpo import GRPOConfig, train
 
     config = load_config(
@@ -170,7 +170,7 @@ def test_grpo_starts_on_policy_and_stops_at_the_end_of_turn(smollm2, tokenizer, 
 
 
 def test_ppo_starts_on_policy_with_a_critic_from_the_model(smollm2, tmp_path):
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
     from posttrain.trainers.ppo import PPOConfig, train
 
     config = load_config(
@@ -225,7 +225,7 @@ def test_real_model_examples_read_their_shipped_data(name, tokenizer):
     from pathlib import Path
 
     from posttrain.data import load_preferences, load_sft
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
     from posttrain.trainers.dpo import DPOConfig
     from posttrain.trainers.sft import SFTConfig
 

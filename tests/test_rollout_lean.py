@@ -191,8 +191,8 @@ def test_first_token_distribution_of_the_engine_is_the_models(model, tokenizer):
 def test_online_trainers_with_the_lean_engine_start_on_policy_and_time_every_phase(tiny_dir, tmp_path, trainer):
     import json
 
-    from posttrain.trainers.config import load_config
-    from posttrain.trainers.metrics import read_metrics
+    from posttrain.runtime.config import load_config
+    from posttrain.runtime.metrics import read_metrics
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(8)))

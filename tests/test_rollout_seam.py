@@ -43,9 +43,24 @@ def test_sequence_weights_do_not_overflow_on_long_rows():
         ({"engine": "sglang"}, "rollout.engine must be one of"),
         ({"mode": "remote"}, "rollout.mode must be one of"),
         ({"mode": "server"}, "rollout.mode=server needs rollout.engine=vllm"),
-        ({"importance_sampling": "token"}, "rollout.importance_sampling applies to rollout.engine=vllm only"),
+        (
+            {"importance_sampling": "token"},
+            "rollout.importance_sampling applies to rollout.engine=vllm or rollout.async_steps >= 1 only",
+        ),
         ({"engine": "vllm", "importance_sampling": "tokens"}, "rollout.importance_sampling must be one of"),
         ({"engine": "vllm", "importance_cap": 0.5}, "rollout.importance_cap must be >= 1"),
+        ({"async_steps": -1}, "rollout.async_steps must be >= 0"),
+        ({"async_steps": 1, "producer_threads": 0}, "rollout.producer_threads >= 1"),
+        (
+            {"async_steps": 1, "engine": "vllm"},
+            "rollout.async_steps >= 1 runs its producer with engine=hf, lean or auto",
+        ),
+        ({"async_steps": 2, "max_staleness": 1}, r"rollout.max_staleness must be >= rollout.async_steps=2"),
+        ({"async_steps": 1, "on_stale": "skip"}, "rollout.on_stale must be one of"),
+        (
+            {"async_steps": 1, "importance_sampling": "token_mask", "importance_floor": 1.5},
+            "importance_floor must be in",
+        ),
     ],
 )
 def test_rollout_config_rejects_bad_values_naming_the_field(override, message):
@@ -54,7 +69,7 @@ def test_rollout_config_rejects_bad_values_naming_the_field(override, message):
 
 
 def test_trainer_configs_validate_the_rollout_section():
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
     from posttrain.trainers.grpo import GRPOConfig
     from posttrain.trainers.ppo import PPOConfig
 
@@ -74,7 +89,7 @@ def test_hf_engine_gives_the_old_logprobs_itself(tiny_dir, tokenizer):
     from accelerate import Accelerator
 
     from posttrain.models import ModelConfig, load_policy
-    from posttrain.trainers.online import old_logprobs_of
+    from posttrain.runtime.online import old_logprobs_of
 
     policy = load_policy(ModelConfig(path=str(tiny_dir / "policy"), device="cpu"))
     engine = build_engine(RolloutConfig(), policy, tokenizer, str(tiny_dir / "policy"), seed=0)
@@ -105,7 +120,7 @@ def test_inexact_engine_is_recomputed_compared_and_weighted(tiny_dir, tokenizer)
     from accelerate import Accelerator
 
     from posttrain.models import ModelConfig, load_policy
-    from posttrain.trainers.online import old_logprobs_of, policy_logprobs
+    from posttrain.runtime.online import old_logprobs_of, policy_logprobs
 
     policy = load_policy(ModelConfig(path=str(tiny_dir / "policy"), device="cpu"))
     engine = _ShiftedEngine(policy, tokenizer)

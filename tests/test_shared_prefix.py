@@ -306,8 +306,8 @@ def test_dpo_packed_loss_and_gradients_equal_padded(tiny_dir, loss):
     import copy
 
     from posttrain.models import Reference
+    from posttrain.runtime.prefix import SharedPrefix
     from posttrain.trainers.dpo import DPOConfig, DPOExample, DPOTask
-    from posttrain.trainers.prefix import SharedPrefix
 
     # float64: fp32 rounding, which IPO's squared loss amplifies, would hide small differences
     policy = load_causal_lm(ModelConfig(path=str(tiny_dir / "policy"), device="cpu")).double()
@@ -337,7 +337,7 @@ def test_dpo_packed_loss_and_gradients_equal_padded(tiny_dir, loss):
 def test_reward_model_packed_loss_and_gradients_equal_padded(tiny_dir):
     from posttrain.data import RankingExample
     from posttrain.models import RewardScorer
-    from posttrain.trainers.prefix import SharedPrefix
+    from posttrain.runtime.prefix import SharedPrefix
     from posttrain.trainers.rm import RMTask
 
     model = load_scalar_model(ModelConfig(path=str(tiny_dir / "reward"), device="cpu"), "reward").double()
@@ -364,7 +364,7 @@ def _jsonl(path, rows):
 
 
 def _offline_config(cls, tiny_dir, tmp_path, name, role, rows, *overrides):
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
 
     base = [
         f"model.path={tiny_dir / role}",
@@ -395,8 +395,8 @@ def _preference_rows(n=16):
 def test_a_packed_run_equals_an_unpacked_run(tiny_dir, tmp_path, trainer, capsys):
     from safetensors.torch import load_file
 
+    from posttrain.runtime.metrics import read_metrics
     from posttrain.trainers import dpo, rm
-    from posttrain.trainers.metrics import read_metrics
 
     cls, train, role = (dpo.DPOConfig, dpo.train, "policy") if trainer == "dpo" else (rm.RMConfig, rm.train, "reward")
     rows = _preference_rows()
@@ -425,8 +425,8 @@ def test_a_packed_run_equals_an_unpacked_run(tiny_dir, tmp_path, trainer, capsys
 
 def test_shared_prefix_setting_is_checked_and_honoured(tiny_dir, tmp_path, capsys):
     from posttrain.models.tiny import build_tiny
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import dpo, rm
-    from posttrain.trainers.config import load_config
 
     for cls in (dpo.DPOConfig, rm.RMConfig):
         with pytest.raises(ValueError, match="shared_prefix must be auto, true or false, got 'sometimes'"):
@@ -463,8 +463,8 @@ def test_grpo_passes_packed_equal_padded(tiny_dir, layout):
     continuing its KV cache (``prompt_cache``, GRPO's auto where packing does not pay)."""
     from posttrain.models import Reference, load_tokenizer
     from posttrain.rollout import HFEngine, SamplingParams
-    from posttrain.trainers.online import policy_logprobs, reference_logprobs
-    from posttrain.trainers.prefix import SharedPrefix, packed_rollout_rows, prompt_cache_applies
+    from posttrain.runtime.online import policy_logprobs, reference_logprobs
+    from posttrain.runtime.prefix import SharedPrefix, packed_rollout_rows, prompt_cache_applies
 
     model = load_causal_lm(ModelConfig(path=str(tiny_dir / "policy"), device="cpu"))
     tokenizer = load_tokenizer(str(tiny_dir / "policy"))
@@ -502,7 +502,7 @@ def test_grpo_passes_packed_equal_padded(tiny_dir, layout):
 def test_prompt_cache_stays_off_under_gradient_checkpointing(tiny_dir):
     """A checkpointed training forward turns the KV cache off, so the prompt-cache passes fall back to
     the padded layout there."""
-    from posttrain.trainers.prefix import SharedPrefix, prompt_cache_applies
+    from posttrain.runtime.prefix import SharedPrefix, prompt_cache_applies
 
     config = ModelConfig(path=str(tiny_dir / "policy"), device="cpu")
     shared = SharedPrefix(**PROMPT_CACHE)
@@ -518,17 +518,17 @@ def test_grpo_packed_run_equals_unpacked_run(tiny_dir, tmp_path, monkeypatch):
     ratio 1, KL, loss and entropy within 1e-5, final weights within float rounding."""
     from safetensors.torch import load_file
 
-    from posttrain.trainers import online
-    from posttrain.trainers.prefix import SharedPrefix
+    from posttrain.runtime import online
+    from posttrain.runtime.prefix import SharedPrefix
 
     cached_passes = []
     real = online.prompt_cached_logprobs
     monkeypatch.setattr(online, "prompt_cached_logprobs", lambda *a, **k: cached_passes.append(1) or real(*a, **k))
 
     from posttrain.data.synthetic import arithmetic_sft
+    from posttrain.runtime.config import load_config
+    from posttrain.runtime.metrics import read_metrics
     from posttrain.trainers import grpo
-    from posttrain.trainers.config import load_config
-    from posttrain.trainers.metrics import read_metrics
 
     prompts = _jsonl(
         tmp_path / "prompts.jsonl", [{"prompt": r["prompt"], "answer": r["answer"]} for r in arithmetic_sft(32, seed=1)]

@@ -26,8 +26,8 @@ def _stand_in(name, calls):
 
 def test_project_and_run_name_reach_wandb_mlflow_and_trackio(tiny_dir, tmp_path, monkeypatch):
     storage = pytest.importorskip("trackio.sqlite_storage")
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import sft
-    from posttrain.trainers.config import load_config
 
     calls = []
     monkeypatch.setitem(sys.modules, "wandb", _stand_in("wandb", calls))

@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 
 from posttrain.data.synthetic import arithmetic_sft, vowel_count, vowel_pairs, vowel_rankings
 from posttrain.models import ModelConfig, load_reward_model, load_tokenizer, sequence_scores
-from posttrain.trainers import checkpoint
-from posttrain.trainers.config import load_config
+from posttrain.runtime import checkpoint
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
 from posttrain.trainers.dpo import DPOConfig
 from posttrain.trainers.dpo import train as train_dpo
-from posttrain.trainers.metrics import read_metrics
 from posttrain.trainers.rm import RMConfig
 from posttrain.trainers.rm import train as train_rm
 from posttrain.trainers.sft import SFTConfig
@@ -317,7 +317,7 @@ def _assert_phases_add_up(records, phases):
 
 def test_phase_timer_counts_a_nested_phase_once(monkeypatch):
     """DPO's reference forward runs inside the training phase: its seconds count for it alone."""
-    from posttrain.trainers import loop
+    from posttrain.runtime import loop
 
     clock = iter([0.0, 1.0, 3.0, 7.0, 8.0, 20.0])
     monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))

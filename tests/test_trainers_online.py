@@ -13,12 +13,12 @@ from posttrain.core import aggregate_loss, group_advantages, kl_penalty, ppo_pol
 from posttrain.data.synthetic import vowel_pairs
 from posttrain.models import response_logprobs
 from posttrain.rewards import RewardComposer, RewardError
-from posttrain.trainers.checkpoint import list_checkpoints
-from posttrain.trainers.config import load_config
+from posttrain.runtime.checkpoint import list_checkpoints
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
+from posttrain.runtime.online import PhaseTimer
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer, _scores_with_missing
 from posttrain.trainers.grpo import train as train_grpo
-from posttrain.trainers.metrics import read_metrics
-from posttrain.trainers.online import PhaseTimer
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 from posttrain.trainers.ppo import train as train_ppo
 

@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from posttrain.models import ModelConfig, load_policy, load_tokenizer  # noqa: E402
 from posttrain.rollout import SamplingParams  # noqa: E402
 from posttrain.rollout.vllm_engine import VLLMEngine  # noqa: E402
-from posttrain.trainers.online import policy_logprobs  # noqa: E402
+from posttrain.runtime.online import policy_logprobs  # noqa: E402
 
 PARAMS = SamplingParams(max_new_tokens=8, temperature=0.7)
 
@@ -121,14 +121,14 @@ def _grpo_overrides(tiny_dir, tmp_path, *overrides) -> list[str]:
 
 
 def _grpo_config(tiny_dir, tmp_path, *overrides):
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
     from posttrain.trainers.grpo import GRPOConfig
 
     return load_config(GRPOConfig, None, _grpo_overrides(tiny_dir, tmp_path, *overrides))
 
 
 def _check_three_synced_steps(config, result):
-    from posttrain.trainers.metrics import read_metrics
+    from posttrain.runtime.metrics import read_metrics
 
     rows = read_metrics(config.run.output_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -139,8 +139,8 @@ def _check_three_synced_steps(config, result):
 
 
 def test_grpo_three_steps_with_colocated_vllm(tiny_dir, tmp_path):
+    from posttrain.runtime.metrics import read_metrics
     from posttrain.trainers.grpo import train
-    from posttrain.trainers.metrics import read_metrics
 
     config = _grpo_config(tiny_dir, tmp_path, "rollout.importance_sampling=token")
     result = train(config)
@@ -156,7 +156,7 @@ def test_grpo_on_two_processes_each_rank_with_its_own_colocated_vllm(tiny_dir, t
     (as TRL's and verl's colocated modes do), samples its own prompts and is handed the weights (under
     FSDP2 gathered whole) after every step: the log-prob gap, a max over both ranks, stays at float32
     rounding while lr 1e-2 moves the weights (a rank left on old weights or shards shows as >> 1e-4)."""
-    from posttrain.trainers.metrics import read_metrics
+    from posttrain.runtime.metrics import read_metrics
 
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps([["grpo", _grpo_overrides(tiny_dir, tmp_path, "run.micro_batch_size=4")]]))
@@ -226,7 +226,7 @@ def test_grpo_under_fsdp2_on_two_processes_against_a_vllm_server(tiny_dir, tmp_p
     """FSDP2 on 2 gloo processes (examples/accelerate/fsdp2.yaml) sampling from a vLLM server: each weight
     sync gathers the policy's shards whole (``policy_weights``) before pushing them, so every rollout is
     sampled from the weights the trainer just stepped to (lr 1e-2: shards or stale weights would show)."""
-    from posttrain.trainers.metrics import read_metrics
+    from posttrain.runtime.metrics import read_metrics
 
     url, _ = server
     overrides = _grpo_overrides(tiny_dir, tmp_path, "rollout.mode=server", f"rollout.server_url={url}")
@@ -250,8 +250,8 @@ def test_grpo_under_fsdp2_on_two_processes_against_a_vllm_server(tiny_dir, tmp_p
 
 
 def test_ppo_two_steps_with_colocated_vllm(tiny_dir, tmp_path):
-    from posttrain.trainers.config import load_config
-    from posttrain.trainers.metrics import read_metrics
+    from posttrain.runtime.config import load_config
+    from posttrain.runtime.metrics import read_metrics
     from posttrain.trainers.ppo import PPOConfig, train
 
     config = load_config(

@@ -17,7 +17,7 @@ mask is 0 may hold anything, NaN and inf included: every function here selects w
 
 from posttrain.core.advantages import gae, group_advantages, rloo_advantages, shape_rewards
 from posttrain.core.distill import generalized_jsd, reverse_kl_advantages, vocab_kl
-from posttrain.core.importance import IMPORTANCE_LEVELS, truncated_importance_weights
+from posttrain.core.importance import IMPORTANCE_LEVELS, masked_importance_weights, truncated_importance_weights
 from posttrain.core.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_penalty
 from posttrain.core.logprobs import entropy_from_logits, token_logprobs, yes_probability
 from posttrain.core.losses import (
@@ -84,6 +84,7 @@ __all__ = [
     "kto_loss",
     "kto_reference_point",
     "last_valid_index",
+    "masked_importance_weights",
     "masked_mean",
     "masked_sum",
     "masked_var",

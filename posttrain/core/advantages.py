@@ -137,7 +137,7 @@ def group_advantages(
     std uses Bessel's correction. A constant group, or one with fewer than two scored rows, gives
     exactly 0. Returns [B] in the dtype of ``rewards``.
 
-    The statistics are computed in float64, as PPO's whitening (``trainers.online.gather_whiten``): in
+    The statistics are computed in float64, as PPO's whitening (``runtime.online.gather_whiten``): in
     float32 the rewards 0 and 1e30 of one group square to inf, std = inf and every advantage silently
     became 0. Finite float64 rewards whose statistics overflow even float64 (|r| ≳ 1e154) raise
     ``NonFiniteGroupError`` naming the row, instead of training on advantages of 0 or NaN (float32 rewards

@@ -61,11 +61,15 @@ class AlertConfig:
     """9: mean share of groups whose rewards are all equal, over the window, above this."""
     truncation_max: float = 0.2
     """10: mean share of responses cut at max_new_tokens, over the window, above this."""
+    offpolicy_clipped_max: float = 0.2
+    """14: mean share of tokens whose importance weight was capped or masked, over the window, above this..."""
+    offpolicy_gap_growth: float = 2.0
+    """14: ...or the sampler/trainer log-prob gap's second half-window above this multiple of its first."""
 
     def validate(self, name: str = "alerts") -> None:
         if self.window < 2:
             raise ValueError(f"{name}.window must be >= 2, got {self.window}")
-        for key in ("zero_variance_max", "truncation_max", "entropy_collapse", "clipfrac_max"):
+        for key in ("zero_variance_max", "truncation_max", "entropy_collapse", "clipfrac_max", "offpolicy_clipped_max"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ValueError(f"{name}.{key} must be in [0, 1], got {getattr(self, key)}")
         if not -1 <= self.length_corr <= 1:
@@ -97,6 +101,8 @@ WATCHED = (
     "entropy",
     "groups/zero_variance_share",
     "truncated_share",
+    "rollout/importance_clipped_share",
+    "rollout/logprob_diff_mean",
 )
 
 
@@ -317,6 +323,24 @@ def _truncation(h: History, cfg, ctx):
     return f"{_mean(share):.0%} of the responses hit max_new_tokens without EOS over {cfg.window} steps"
 
 
+OFFPOLICY_GAP_FLOOR = 1e-3
+"""14: a mean |log π_old − log π_behaviour| below this (nats per token) is float rounding, whatever its growth."""
+
+
+def _off_policy_gap(h: History, cfg, ctx):
+    clipped = h.full("rollout/importance_clipped_share")
+    if clipped and _mean(clipped) > cfg.offpolicy_clipped_max:
+        return (
+            f"{_mean(clipped):.0%} of the tokens had their importance weight capped or masked over {cfg.window} steps"
+        )
+    gap = h.full("rollout/logprob_diff_mean")
+    if gap:
+        first, second = _halves(gap)
+        if second > OFFPOLICY_GAP_FLOOR and second > cfg.offpolicy_gap_growth * first:
+            return f"the sampler/trainer log-prob gap grew from {first:.3g} to {second:.3g} nats per token"
+    return None
+
+
 NON_FINITE_KEYS = ("policy/loss", "policy/pg_loss", "grad_norm", "critic_grad_norm", "value_loss")
 
 
@@ -421,6 +445,16 @@ RULES = (
         "learned to ramble, or EOS is not handled.",
         "raise sampling.max_new_tokens, add missing_eos_penalty or the overlong penalty (or mask_truncated), "
         "and check the EOS ids.",
+    ),
+    Rule(
+        14,
+        "off_policy_gap",
+        _off_policy_gap,
+        "the samples come from a policy further and further from the one being trained: asynchronous batches "
+        "too stale for the learning rate, or a sampler (vLLM) whose kernels or precision drift from the "
+        "trainer's; the importance weights then carry the update, the known route to collapse.",
+        "lower rollout.async_steps or the learning rate, set rollout.importance_sampling (token_mask or "
+        "sequence_mask drop what cannot be corrected), or sample in the training precision.",
     ),
     Rule(
         11,

@@ -134,7 +134,7 @@ class RewardSpec:
 
     def _validate_kwargs(self, name: str) -> None:
         """The function's own check of ``kwargs`` (``fn.validate_kwargs``, module docstring), when it has one.
-        A function that does not import is left to ``trainers.inputs.check_reward_functions``, which says why."""
+        A function that does not import is left to ``runtime.inputs.check_reward_functions``, which says why."""
         try:
             fn = load_reward_function(self.function)
         except Exception:

@@ -67,6 +67,7 @@ class Rollout:
     group_size: int = 1  # G
     temperature: float = 1.0  # τ the log-probs were taken at
     columns: dict[str, list] = field(default_factory=dict)  # the prompt rows' other columns ("answer"), [B] each
+    version: torch.Tensor | None = None  # [B] long, the policy version (trainer steps done) that drew each row
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -106,6 +107,7 @@ class Rollout:
             group_size=self.group_size,
             temperature=self.temperature,
             columns={k: [v[i] for i in rows] for k, v in self.columns.items()},
+            version=None if self.version is None else self.version[index.to(self.version.device)],
         )
 
     def texts(self, tokenizer, row: int) -> tuple[str, str]:
@@ -182,6 +184,7 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         group_size=rollouts[0].group_size,
         temperature=rollouts[0].temperature,
         columns={k: [x for r in rollouts for x in r.columns.get(k, [None] * len(r))] for k in keys},
+        version=torch.cat([r.version for r in rollouts]) if all(r.version is not None for r in rollouts) else None,
     )
 
 

@@ -16,7 +16,8 @@ from posttrain.rollout.hf import HFEngine
 from posttrain.rollout.lean import LeanEngine, written_out_gaps
 
 MODES = ("colocate", "server")
-IMPORTANCE_SAMPLING = ("none", "token", "sequence")
+IMPORTANCE_SAMPLING = ("none", "token", "sequence", "token_mask", "sequence_mask")
+ON_STALE = ("drop", "regenerate")
 
 
 @dataclass
@@ -45,32 +46,99 @@ class RolloutConfig:
     sleep: bool = False
     """Put vLLM to sleep between rollouts (frees its KV cache and weights for training; GPU only)."""
     importance_sampling: str = "none"
-    """Correct the sampler/trainer mismatch with truncated importance sampling: none, token or sequence."""
+    """Correct for the behaviour policy (the sampler: vLLM's kernels, or older weights with async_steps) with
+    importance weights π_old/π_behaviour: none; token or sequence (truncated IS: min(ratio, cap)); token_mask
+    (IcePop) or sequence_mask (MIS): the ratio inside [importance_floor, importance_cap], the token or the
+    whole sequence dropped from the loss outside it."""
     importance_cap: float = 2.0
-    """Cap C of the truncated importance weight min(π_old/π_sampler, C)."""
+    """Cap C of the truncated importance weight min(π_old/π_behaviour, C); the upper end of the mask band."""
+    importance_floor: float | None = None
+    """Lower end of the token_mask / sequence_mask band; null = 1 / importance_cap."""
+    async_steps: int = 0
+    """0: each step samples its own rollout, then trains (synchronous). k >= 1: a separate process draws the
+    batches of the next k steps while the trainer updates (hf and lean engines); each batch is k policy
+    versions old when trained, so set importance_sampling to correct for it (docs/algorithms/async.md)."""
+    max_staleness: int | None = None
+    """Most policy versions between the weights that drew a batch and those it trains; null = async_steps.
+    A staler batch is never trained on silently: see on_stale."""
+    on_stale: str = "drop"
+    """What a batch older than max_staleness becomes: drop (the step trains on nothing and says so) or
+    regenerate (drawn again, synchronously, by the current policy)."""
+    producer_threads: int = 1
+    """Torch threads of the asynchronous producer process; the trainer keeps the rest of its threads."""
 
     def validate(self, name: str = "rollout") -> None:
-        choices = {"engine": tuple(BUILDERS), "mode": MODES, "importance_sampling": IMPORTANCE_SAMPLING}
+        choices = {
+            "engine": tuple(BUILDERS),
+            "mode": MODES,
+            "importance_sampling": IMPORTANCE_SAMPLING,
+            "on_stale": ON_STALE,
+        }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{name}.{key} must be one of {allowed}, got {getattr(self, key)!r}")
         if self.mode == "server" and self.engine != "vllm":
             raise ValueError(f"{name}.mode=server needs {name}.engine=vllm (the server is `posttrain vllm-serve`)")
-        for key in ("sleep", "enforce_eager", "importance_sampling"):
-            if getattr(self, key) not in (False, "none") and self.engine != "vllm":
+        for key in ("sleep", "enforce_eager"):
+            if getattr(self, key) and self.engine != "vllm":
                 raise ValueError(f"{name}.{key} applies to {name}.engine=vllm only, got engine={self.engine}")
+        if self.importance_sampling != "none" and self.engine != "vllm" and self.async_steps == 0:
+            raise ValueError(
+                f"{name}.importance_sampling applies to {name}.engine=vllm or {name}.async_steps >= 1 only (an "
+                f"engine={self.engine} sampler in the training process draws with the trained weights themselves)"
+            )
         if self.importance_cap < 1:
             raise ValueError(f"{name}.importance_cap must be >= 1, got {self.importance_cap}")
+        if self.importance_floor is not None and not 0 <= self.importance_floor <= 1:
+            raise ValueError(
+                f"{name}.importance_floor must be in [0, 1] (null = 1/importance_cap), got {self.importance_floor}"
+            )
         if self.server_timeout <= 0 or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{name}.server_timeout must be > 0 and {name}.gpu_memory_utilization in (0, 1]")
+        self._validate_async(name)
+
+    def _validate_async(self, name: str) -> None:
+        if self.async_steps < 0 or self.producer_threads < 1:
+            raise ValueError(
+                f"{name}.async_steps must be >= 0 (0 = synchronous) and {name}.producer_threads >= 1, got "
+                f"{self.async_steps} and {self.producer_threads}"
+            )
+        if self.async_steps and self.engine == "vllm":
+            raise ValueError(
+                f"{name}.async_steps >= 1 runs its producer with engine=hf, lean or auto; engine=vllm samples "
+                "synchronously (its server mode already generates outside the training process)"
+            )
+        if self.max_staleness is not None and self.max_staleness < self.async_steps:
+            raise ValueError(
+                f"{name}.max_staleness must be >= {name}.async_steps={self.async_steps} (every batch after the first "
+                f"{self.async_steps} is drawn {self.async_steps} versions before it trains), got {self.max_staleness}"
+            )
+
+    @property
+    def staleness_bound(self) -> int:
+        return self.async_steps if self.max_staleness is None else self.max_staleness
+
+    @property
+    def importance_band(self) -> tuple[float, float]:
+        """[floor, cap] of the mask modes."""
+        floor = 1.0 / self.importance_cap if self.importance_floor is None else self.importance_floor
+        return floor, self.importance_cap
 
     def describe(self) -> str:
         """The one line printed at start."""
         out = f"engine={self.engine} mode={self.mode}"
         if self.mode == "server":
             out += f" url={self.server_url} timeout={self.server_timeout:g}s"
-        if self.importance_sampling != "none":
+        if self.importance_sampling in ("token", "sequence"):
             out += f" importance_sampling={self.importance_sampling} cap={self.importance_cap:g}"
+        elif self.importance_sampling != "none":
+            low, high = self.importance_band
+            out += f" importance_sampling={self.importance_sampling} band=[{low:g}, {high:g}]"
+        if self.async_steps:
+            out += (
+                f" async_steps={self.async_steps} max_staleness={self.staleness_bound} on_stale={self.on_stale} "
+                f"producer_threads={self.producer_threads}"
+            )
         return out
 
 

@@ -20,9 +20,9 @@ import torch
 from posttrain.core import masked_mean, value_loss
 from posttrain.models import PolicyWithValueHead, ValueModel, load_critic
 from posttrain.rollout import Rollout
-from posttrain.trainers import engines
-from posttrain.trainers.loop import NonFiniteGuard, build_optimizer
-from posttrain.trainers.online import Optimized, policy_logprobs, train_minibatch
+from posttrain.runtime import engines
+from posttrain.runtime.loop import NonFiniteGuard, build_optimizer
+from posttrain.runtime.online import Optimized, policy_logprobs, train_minibatch
 
 
 @dataclass

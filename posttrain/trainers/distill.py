@@ -46,8 +46,8 @@ from posttrain.models import ModelConfig, load_policy, load_tokenizer, response_
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, score_rollout
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams
-from posttrain.trainers import engines
-from posttrain.trainers.config import (
+from posttrain.runtime import engines
+from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
     RunConfig,
@@ -56,8 +56,8 @@ from posttrain.trainers.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.trainers.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
-from posttrain.trainers.online import (
+from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
+from posttrain.runtime.online import (
     OnlineTrainer,
     Optimized,
     StatsAccumulator,
@@ -67,7 +67,7 @@ from posttrain.trainers.online import (
     reference_logprobs,
     train_minibatch,
 )
-from posttrain.trainers.runlock import holds_run_dir
+from posttrain.runtime.runlock import holds_run_dir
 
 DISTILL_LOSSES = ("reverse_kl", "jsd")
 
@@ -123,6 +123,11 @@ class DistillConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        if self.rollout.async_steps:
+            raise ValueError(
+                "rollout.async_steps applies to grpo and ppo; distillation samples each step's batch with the current "
+                "policy (rollout.async_steps=0)"
+            )
         reject_ignored(
             self,
             {

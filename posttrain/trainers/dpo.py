@@ -50,7 +50,7 @@ from posttrain.models import (
     sequence_logprobs,
     shared_prefix_logprobs,
 )
-from posttrain.trainers.config import (
+from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
     RunConfig,
@@ -58,8 +58,8 @@ from posttrain.trainers.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.trainers.inputs import check_inputs
-from posttrain.trainers.loop import (
+from posttrain.runtime.inputs import check_inputs
+from posttrain.runtime.loop import (
     PhaseTimer,
     Trainable,
     build_accelerator,
@@ -68,8 +68,8 @@ from posttrain.trainers.loop import (
     run_offline,
     split_train_eval,
 )
-from posttrain.trainers.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
-from posttrain.trainers.runlock import holds_run_dir
+from posttrain.runtime.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
+from posttrain.runtime.runlock import holds_run_dir
 
 REFERENCE_MODES = ("auto", "copy", "adapter", "precompute", "none")
 IPO_LOGPS = ("sum", "mean")

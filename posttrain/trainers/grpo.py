@@ -42,8 +42,8 @@ from posttrain.models import ModelConfig, load_policy
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty, score_rollout
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams, concat_rollouts
-from posttrain.trainers import engines
-from posttrain.trainers.config import (
+from posttrain.runtime import engines
+from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
     RunConfig,
@@ -53,8 +53,8 @@ from posttrain.trainers.config import (
     validate_sections,
     with_presets,
 )
-from posttrain.trainers.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
-from posttrain.trainers.online import (
+from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
+from posttrain.runtime.online import (
     OnlineTrainer,
     Optimized,
     StatsAccumulator,
@@ -69,8 +69,8 @@ from posttrain.trainers.online import (
     reference_logprobs,
     train_minibatch,
 )
-from posttrain.trainers.prefix import check_shared_prefix, resolve_shared_prefix
-from posttrain.trainers.runlock import holds_run_dir
+from posttrain.runtime.prefix import check_shared_prefix, resolve_shared_prefix
+from posttrain.runtime.runlock import holds_run_dir
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
 REWARD_SCALES = ("group", "batch", "none")
@@ -246,6 +246,11 @@ class GRPOConfig:
         if not 0 <= self.overlong_buffer_fraction <= 1:
             raise ValueError(f"overlong_buffer_fraction must be in [0, 1], got {self.overlong_buffer_fraction}")
         check_policy_loss(self.policy_loss, self.clip_low, self.clip_high, POLICY_LOSSES)
+        if self.rollout.async_steps and self.dynamic_sampling:
+            raise ValueError(
+                "rollout.async_steps >= 1 with dynamic_sampling=true: dynamic sampling draws a varying number of "
+                "batches per step, the producer a fixed schedule of one per step; turn one of them off"
+            )
         if self.policy_loss == "gspo" and self.advantage_estimator == "reinforce++":
             raise ValueError(
                 "policy_loss=gspo clips one ratio per response by the response's one advantage; reinforce++ gives "
@@ -344,9 +349,10 @@ class GRPOTrainer(OnlineTrainer):
         cfg, acc, device = self.config, self.accelerator, self.accelerator.device
         micro = cfg.run.micro_batch_size
         # 1-2. sample G responses per prompt and score them (dynamic sampling: keep groups with a signal)
-        rollout, scores, applicable, metrics = self.rollout_and_score(timer)
+        rollout, scores, applicable, metrics = self.rollout_and_score(timer, step)
         if rollout is None:
-            acc.print(f"[grpo] step {step + 1}: every sampled group had equal rewards; no update")
+            if not metrics.get("rollout/stale_batches"):
+                acc.print(f"[grpo] step {step + 1}: every sampled group had equal rewards; no update")
             return metrics, None, None
         mask = self.loss_mask(rollout, applicable)
         if global_sum(acc, mask.sum()) == 0:  # nothing to train on: no update, no policy metrics (not 0s)
@@ -399,11 +405,14 @@ class GRPOTrainer(OnlineTrainer):
             out.components["overlong_penalty"] = penalty.tolist()
         return scores, out.components
 
-    def rollout_and_score(self, timer: PhaseTimer):
-        """Steps 1–2, with dynamic sampling when configured. Returns (rollout, scores, applicable, metrics)."""
+    def rollout_and_score(self, timer: PhaseTimer, step: int = 0):
+        """Steps 1–2 of step ``step``, with dynamic sampling when configured. Returns (rollout, scores,
+        applicable, metrics); rollout None: nothing to train on (every group constant, or a stale batch
+        dropped)."""
         cfg, G = self.config, self.config.num_generations
         kept, kept_scores, components = [], [], {}
         sampled_groups = constant_groups = 0
+        produced: dict = {}
         target, tries = self.local_prompts, 0
         while True:
             needed = target - sum(len(r) for r in kept) // G
@@ -412,9 +421,9 @@ class GRPOTrainer(OnlineTrainer):
                 break
             tries += 1
             with timer("generate"):
-                rollout, columns = self.generate(
-                    self.sampler.take_for_process(need_all, self.prompts, self.accelerator), G
-                )
+                rollout, columns, produced = self.next_rollout(step, need_all, G)
+            if rollout is None:  # a stale batch, dropped (rollout.on_stale=drop)
+                return None, None, None, produced
             with timer("reward"):
                 scores, parts = self._score(rollout, columns)
             filled, _ = _scores_with_missing(scores, G)
@@ -438,6 +447,7 @@ class GRPOTrainer(OnlineTrainer):
             "groups/trained": groups * self.accelerator.num_processes,
             "groups/dropped": global_sum(self.accelerator, sampled_groups) - groups * self.accelerator.num_processes,
             "sampling_tries": tries,
+            **produced,
         }
         if groups == 0:
             return None, None, None, metrics

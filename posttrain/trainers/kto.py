@@ -24,7 +24,7 @@ import torch
 from posttrain.core import kto_loss, kto_reference_point
 from posttrain.data import DataConfig, SequenceBatch, UnpairedExample, collate, load_unpaired, rendered
 from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
-from posttrain.trainers.config import (
+from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
     RunConfig,
@@ -32,9 +32,8 @@ from posttrain.trainers.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.trainers.dpo import completion_logps
-from posttrain.trainers.inputs import check_inputs
-from posttrain.trainers.loop import (
+from posttrain.runtime.inputs import check_inputs
+from posttrain.runtime.loop import (
     PhaseTimer,
     Trainable,
     build_accelerator,
@@ -44,7 +43,8 @@ from posttrain.trainers.loop import (
     run_offline,
     split_train_eval,
 )
-from posttrain.trainers.runlock import holds_run_dir
+from posttrain.runtime.runlock import holds_run_dir
+from posttrain.trainers.dpo import completion_logps
 
 REFERENCE_MODES = ("auto", "copy", "adapter", "precompute")
 ADVISED_WEIGHT_RATIO = (1.0, 4 / 3)  # λ_D·n_D / (λ_U·n_U), the KTO paper's advice (§4.2)

@@ -35,8 +35,8 @@ from posttrain.models import ModelConfig, load_policy
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardOutput, RewardSpec, score_rollout
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams
-from posttrain.trainers import engines
-from posttrain.trainers.config import (
+from posttrain.runtime import engines
+from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
     RunConfig,
@@ -44,8 +44,8 @@ from posttrain.trainers.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.trainers.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
-from posttrain.trainers.online import (
+from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
+from posttrain.runtime.online import (
     OnlineTrainer,
     Optimized,
     StatsAccumulator,
@@ -55,8 +55,8 @@ from posttrain.trainers.online import (
     reference_logprobs,
     train_minibatch,
 )
-from posttrain.trainers.prefix import check_shared_prefix, resolve_shared_prefix
-from posttrain.trainers.runlock import holds_run_dir
+from posttrain.runtime.prefix import check_shared_prefix, resolve_shared_prefix
+from posttrain.runtime.runlock import holds_run_dir
 
 PAIRINGS = ("best_worst", "all")
 REFERENCE_MODES = ("auto", "copy", "adapter")
@@ -112,6 +112,11 @@ class OnlineDPOConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        if self.rollout.async_steps:
+            raise ValueError(
+                "rollout.async_steps applies to grpo and ppo; online DPO samples each step's batch with the current "
+                "policy (rollout.async_steps=0)"
+            )
         reject_ignored(self, {"model.device": PLACED_BY_ACCELERATE})
         if not self.rewards:
             raise ValueError("rewards: at least one reward function is needed ({function: module:function})")

@@ -45,8 +45,8 @@ from posttrain.models import ModelConfig, check_reward_critic, load_policy, load
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, score_rollout
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams
-from posttrain.trainers import engines
-from posttrain.trainers.config import (
+from posttrain.runtime import engines
+from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
     RunConfig,
@@ -55,9 +55,8 @@ from posttrain.trainers.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.trainers.critic import PPOBatch, build_critic
-from posttrain.trainers.loop import PhaseTimer, global_sum
-from posttrain.trainers.online import (
+from posttrain.runtime.loop import PhaseTimer, global_sum
+from posttrain.runtime.online import (
     OnlineTrainer,
     StatsAccumulator,
     advantage_metrics,
@@ -70,7 +69,8 @@ from posttrain.trainers.online import (
     reference_logprobs,
     train_minibatch,
 )
-from posttrain.trainers.runlock import holds_run_dir
+from posttrain.runtime.runlock import holds_run_dir
+from posttrain.trainers.critic import PPOBatch, build_critic
 
 CRITIC_MODES = ("reward", "policy", "shared")
 PPO_POLICY_LOSSES = ("ppo", "gspo-token", "cispo")
@@ -228,18 +228,20 @@ class PPOTrainer(OnlineTrainer):
         self.actor, self.critic = build_critic(acc, config, policy, updates)
         self.start_engine(policy)
 
-    def train_step(self, step: int, timer: PhaseTimer) -> tuple[dict, Rollout, torch.Tensor]:
+    def train_step(self, step: int, timer: PhaseTimer) -> tuple[dict, Rollout | None, torch.Tensor | None]:
         cfg, acc, device = self.config, self.accelerator, self.accelerator.device
         micro = cfg.run.micro_batch_size
         # 1. rollout, keeping the old log-probs
         with timer("generate"):
-            prompts = self.sampler.take_for_process(self.local_prompts, self.prompts, acc)
-            rollout, columns = self.generate(prompts, cfg.num_generations)
+            rollout, columns, produced = self.next_rollout(step, self.local_prompts, cfg.num_generations)
+        if rollout is None:  # a stale batch, dropped (rollout.on_stale=drop)
+            return produced, None, None
         mask = rollout.response_mask
         with timer("old_logprobs"):
             old_logprobs, is_weights, metrics = old_logprobs_of(
                 acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
             )
+        metrics.update(produced)
         # 2. reference log-probs and scores
         with timer("reference"):
             ref_logprobs = reference_logprobs(self.reference, rollout, micro, device)

@@ -46,7 +46,7 @@ from posttrain.models import (
     peft_wrapping,
     sequence_scores,
 )
-from posttrain.trainers.config import (
+from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
     RunConfig,
@@ -54,10 +54,10 @@ from posttrain.trainers.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.trainers.inputs import check_inputs
-from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, save_final, split_train_eval
-from posttrain.trainers.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
-from posttrain.trainers.runlock import holds_run_dir
+from posttrain.runtime.inputs import check_inputs
+from posttrain.runtime.loop import Trainable, build_accelerator, run_offline, save_final, split_train_eval
+from posttrain.runtime.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
+from posttrain.runtime.runlock import holds_run_dir
 
 DATA_FORMATS = ("auto", "pairs", "rankings")
 
@@ -419,7 +419,7 @@ def _compare_with_training_run(config: RMEvalConfig, log) -> None:
     from ``config``'s: its held-out ``eval/*`` used them."""
     import yaml
 
-    from posttrain.trainers.checkpoint import flat_config
+    from posttrain.runtime.checkpoint import flat_config
 
     model = Path(config.model.path)
     written = model.parent.parent / "config.yaml"

@@ -17,10 +17,10 @@ import torch
 from posttrain.core import masked_sum
 from posttrain.data import DataConfig, SequenceBatch, collate_packed, collate_sft, load_sft, pack_sft, rendered
 from posttrain.models import ModelConfig, load_policy, load_tokenizer, sequence_logprobs
-from posttrain.trainers.config import PLACED_BY_ACCELERATE, OptimConfig, RunConfig, reject_ignored, validate_sections
-from posttrain.trainers.inputs import check_inputs
-from posttrain.trainers.loop import Trainable, build_accelerator, run_offline, split_train_eval
-from posttrain.trainers.runlock import holds_run_dir
+from posttrain.runtime.config import PLACED_BY_ACCELERATE, OptimConfig, RunConfig, reject_ignored, validate_sections
+from posttrain.runtime.inputs import check_inputs
+from posttrain.runtime.loop import Trainable, build_accelerator, run_offline, split_train_eval
+from posttrain.runtime.runlock import holds_run_dir
 
 
 @dataclass

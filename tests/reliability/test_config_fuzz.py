@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from posttrain.cli import TRAINERS
-from posttrain.trainers.config import describe, load_config
+from posttrain.runtime.config import describe, load_config
 
 CLASSES = {name: getattr(importlib.import_module(m), c) for name, (m, c, _) in TRAINERS.items()}
 REQUIRED = {

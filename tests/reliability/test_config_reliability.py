@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from posttrain.cli import TRAINERS
-from posttrain.trainers.config import describe, load_config
+from posttrain.runtime.config import describe, load_config
 
 # the least each trainer needs to load a config (paths are not read by load_config)
 REQUIRED = {

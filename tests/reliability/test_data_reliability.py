@@ -39,8 +39,8 @@ def _forbid_models(monkeypatch, module):
 
 @pytest.mark.parametrize("content", [b"", b"\n\n"])
 def test_empty_prompt_file_stops_grpo_before_any_model_loads(tiny_dir, tmp_path, monkeypatch, content):
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import grpo
-    from posttrain.trainers.config import load_config
 
     data = tmp_path / "prompts.jsonl"
     data.write_bytes(content)
@@ -56,8 +56,8 @@ def test_empty_prompt_file_stops_grpo_before_any_model_loads(tiny_dir, tmp_path,
 
 
 def test_sft_rows_all_dropped_are_named_not_blamed_on_the_batch_size(tiny_dir, tmp_path, monkeypatch):
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import sft
-    from posttrain.trainers.config import load_config
 
     rows = [json.dumps({"prompt": "p" * 50, "completion": "c"}).encode()] * 3 + [b"{not json"]
     data = _write(tmp_path / "sft.jsonl", rows)

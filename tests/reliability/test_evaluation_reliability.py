@@ -15,7 +15,7 @@ from posttrain.monitor.alerts import read_alerts
 from posttrain.monitor.evaluate import EvalConfig, Evaluator
 from posttrain.rewards import RewardComposer, RewardSpec, unpad
 from posttrain.rollout import SamplingParams
-from posttrain.trainers.metrics import read_metrics
+from posttrain.runtime.metrics import read_metrics
 
 
 class _FixedEngine:
@@ -112,7 +112,7 @@ def falling(prompts, completions, counter):
 
 
 def _grpo_config(tiny_dir, tmp_path: Path, *overrides: str):
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
     from posttrain.trainers.grpo import GRPOConfig
 
     rows = [{"prompt": f"{a}+{b}="} for a in range(4) for b in range(4)]

@@ -16,8 +16,8 @@ def _lora_reward_model(tiny_dir, tmp_path):
     """What `posttrain rm` with model.lora writes: a SEQ_CLS adapter whose modules_to_save hold the
     trained score head (3 steps, lr 1e-2: head and adapter both moved)."""
     from posttrain.data.synthetic import vowel_pairs
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import rm
-    from posttrain.trainers.config import load_config
 
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in vowel_pairs(24, seed=0)))
@@ -60,8 +60,8 @@ def test_merged_lora_reward_model_keeps_its_trained_score_head(tiny_dir, tmp_pat
 
 
 def _sft_run(tiny_dir, tmp_path):
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import sft
-    from posttrain.trainers.config import load_config
 
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(8)))

@@ -22,10 +22,10 @@ from posttrain.core.advantages import NonFiniteGroupError
 from posttrain.data.synthetic import arithmetic_sft
 from posttrain.errors import UserError
 from posttrain.rewards import RewardError
-from posttrain.trainers import checkpoint
-from posttrain.trainers.config import load_config
-from posttrain.trainers.metrics import read_metrics
-from posttrain.trainers.runlock import LOCK_FILE
+from posttrain.runtime import checkpoint
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
+from posttrain.runtime.runlock import LOCK_FILE
 from posttrain.trainers.sft import SFTConfig
 from posttrain.trainers.sft import train as train_sft
 
@@ -277,8 +277,8 @@ def sigint_as_in_a_terminal():
 def test_sigint_in_an_online_run_saves_and_exits_130(tiny_dir, tmp_path, sigint_as_in_a_terminal):
     """The online loop (PPO, GRPO) the same way; SIGINT (Ctrl-C) exits 130 instead of a KeyboardInterrupt
     traceback that lost the run. After the run the previous handlers are back."""
+    from posttrain.runtime.signals import TrainingInterrupted
     from posttrain.trainers.grpo import train as train_grpo
-    from posttrain.trainers.signals import TrainingInterrupted
 
     reward = """
         def reward(prompts, completions, **columns):
@@ -308,7 +308,7 @@ def test_a_second_signal_exits_at_once_without_saving(tiny_dir, tmp_path):
         f"""
         import os, signal, time
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (see sigint_as_in_a_terminal)
-        from posttrain.trainers.config import load_config
+        from posttrain.runtime.config import load_config
         from posttrain.trainers.sft import SFTConfig, train
 
         def twice(done, record):
@@ -338,7 +338,7 @@ def test_a_second_run_on_a_folder_in_use_stops_at_start_naming_the_first(tiny_di
         [
             sys.executable,
             "-c",
-            f"import time; from posttrain.trainers.runlock import lock_run_dir; lock_run_dir({str(run)!r}); "
+            f"import time; from posttrain.runtime.runlock import lock_run_dir; lock_run_dir({str(run)!r}); "
             "print('locked', flush=True); time.sleep(120)",
         ],
         stdout=subprocess.PIPE,
@@ -361,7 +361,7 @@ def test_a_second_run_on_a_folder_in_use_stops_at_start_naming_the_first(tiny_di
         assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]  # the second run wrote nothing
         with monkeypatch.context() as m:  # under torchrun only rank 0 takes the lock
             m.setenv("RANK", "1")
-            from posttrain.trainers.runlock import lock_run_dir
+            from posttrain.runtime.runlock import lock_run_dir
 
             assert lock_run_dir(run) is False
     finally:

@@ -11,10 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from posttrain.data.synthetic import arithmetic_sft
-from posttrain.trainers.config import load_config
+from posttrain.runtime.config import load_config
+from posttrain.runtime.inputs import check_inputs
 from posttrain.trainers.dpo import DPOConfig
 from posttrain.trainers.grpo import GRPOConfig
-from posttrain.trainers.inputs import check_inputs
 from posttrain.trainers.ppo import PPOConfig
 from posttrain.trainers.rm import RMConfig
 from posttrain.trainers.sft import SFTConfig
@@ -108,7 +108,7 @@ def test_hub_ids_are_looked_up_online_and_must_be_cached_offline(tiny_dir, tmp_p
     """Offline, a Hub id must be in the cache; online it is looked up once at start: an id the Hub has
     passes, one it lacks and a Hub that cannot be reached are said in one line (newuser #3: the loader
     retried for 25 s, then a 60-line traceback)."""
-    from posttrain.trainers import inputs
+    from posttrain.runtime import inputs
 
     monkeypatch.setattr(inputs, "cap_to_context", lambda config: None)  # would load the model's config
     data = _jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])

@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.data.synthetic import vowel_pairs
-from posttrain.trainers import checkpoint
-from posttrain.trainers.checkpoint import NonFiniteError
-from posttrain.trainers.config import OptimConfig, RunConfig, load_config
-from posttrain.trainers.loop import NonFiniteGuard, build_accelerator, build_optimizer, optimizer_step
-from posttrain.trainers.metrics import read_metrics
+from posttrain.runtime import checkpoint
+from posttrain.runtime.checkpoint import NonFiniteError
+from posttrain.runtime.config import OptimConfig, RunConfig, load_config
+from posttrain.runtime.loop import NonFiniteGuard, build_accelerator, build_optimizer, optimizer_step
+from posttrain.runtime.metrics import read_metrics
 
 
 def _jsonl(path, rows):
@@ -133,7 +133,7 @@ def test_ppo_with_a_reward_of_1e30_stops_clearly_and_saves_no_nan(tiny_dir, tmp_
 
 def test_a_non_finite_weight_is_never_written(tiny_dir, tmp_path):
     from posttrain.models import ModelConfig, load_causal_lm
-    from posttrain.trainers.loop import save_final
+    from posttrain.runtime.loop import save_final
 
     accelerator = build_accelerator(RunConfig())
     model = load_causal_lm(ModelConfig(path=str(tiny_dir / "policy"), device="cpu"))

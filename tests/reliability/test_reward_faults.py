@@ -153,7 +153,7 @@ def where_answered(prompts, completions, answer, **columns):
 
 
 def _grpo_config(tiny_dir, tmp_path, reward: str, prompts: list[dict], *overrides):
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
     from posttrain.trainers.grpo import GRPOConfig
 
     (tmp_path / "rewards.py").write_text(SOMETIMES)
@@ -175,8 +175,8 @@ def _grpo_config(tiny_dir, tmp_path, reward: str, prompts: list[dict], *override
 def test_grpo_with_a_never_applicable_reward_logs_nan_and_stops(tiny_dir, tmp_path, capsys):
     """Item 14 (trainer): reward/mean was logged as 0.0 and the run ended with exit 0. The warning is a
     console line (new-user finding 15: as a Python warning it went to stderr, into the progress bar)."""
+    from posttrain.runtime.metrics import read_metrics
     from posttrain.trainers.grpo import train as train_grpo
-    from posttrain.trainers.metrics import read_metrics
 
     prompts = [{"prompt": f"{i}+1="} for i in range(8)]
     overrides = ("num_generations=2", "run.batch_size=4", "run.max_steps=5", "max_unscored_steps=2")
@@ -196,8 +196,8 @@ def test_a_grpo_step_nothing_scored_trains_nothing_and_raises_no_false_alert(tin
     from safetensors.torch import load_file
 
     from posttrain.monitor.alerts import read_alerts
+    from posttrain.runtime.metrics import read_metrics
     from posttrain.trainers.grpo import train as train_grpo
-    from posttrain.trainers.metrics import read_metrics
 
     prompts = [{"prompt": f"{i}+1="} for i in range(8)]
     overrides = ("num_generations=2", "run.batch_size=4", "run.max_steps=2", "max_unscored_steps=0")
@@ -218,8 +218,8 @@ def test_a_micro_batch_of_unscored_rows_leaves_the_first_minibatch_ratio_at_one(
     micro_batch_size = num_generations = 8 puts one group in each), set the step's ratio_min to 0 and
     raised alert 4 on a mixed data set where a reward applies to some prompts only."""
     from posttrain.monitor.alerts import read_alerts
+    from posttrain.runtime.metrics import read_metrics
     from posttrain.trainers.grpo import train as train_grpo
-    from posttrain.trainers.metrics import read_metrics
 
     prompts = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "hello"}]
     overrides = ("num_generations=4", "run.batch_size=8", "run.micro_batch_size=4", "run.max_steps=1")

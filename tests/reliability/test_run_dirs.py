@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from posttrain.cli import main
 from posttrain.data.synthetic import arithmetic_sft
-from posttrain.trainers import checkpoint
-from posttrain.trainers.config import load_config
-from posttrain.trainers.metrics import read_metrics
+from posttrain.runtime import checkpoint
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
 from posttrain.trainers.sft import SFTConfig
 from posttrain.trainers.sft import train as train_sft
 

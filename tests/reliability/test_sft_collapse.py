@@ -7,12 +7,12 @@ import json
 import math
 
 from posttrain.monitor.alerts import SFT_RULES, AlertConfig, HealthMonitor, read_alerts
-from posttrain.trainers.metrics import read_metrics
+from posttrain.runtime.metrics import read_metrics
 
 
 def _sft(tiny_dir, tmp_path, name: str, lr: str):
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import sft
-    from posttrain.trainers.config import load_config
 
     rows = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(8) for b in range(8)]
     data = tmp_path / "sft.jsonl"

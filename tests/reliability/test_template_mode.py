@@ -16,8 +16,8 @@ from posttrain.models.template_mode import INFO_FILE, template_mismatch
 def sft_never(tiny_dir, tmp_path_factory):
     """2 SFT steps with data.chat_template=never on the tiny policy (whose tokenizer has a template),
     a checkpoint after each."""
+    from posttrain.runtime.config import load_config
     from posttrain.trainers import sft
-    from posttrain.trainers.config import load_config
 
     root = tmp_path_factory.mktemp("sft_never")
     data = root / "sft.jsonl"
@@ -38,7 +38,7 @@ def test_every_saved_model_records_the_template_mode(sft_never, tokenizer):
 
 
 def _grpo(model, out, mode):
-    from posttrain.trainers.config import load_config
+    from posttrain.runtime.config import load_config
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
     prompts = out / "prompts.jsonl"

@@ -17,8 +17,8 @@ from posttrain.data.datasets import DataConfig
 from posttrain.data.synthetic import arithmetic_sft
 from posttrain.errors import UserError
 from posttrain.rewards import RewardComposer, RewardError, RewardSpec
-from posttrain.trainers import checkpoint
-from posttrain.trainers.config import load_config
+from posttrain.runtime import checkpoint
+from posttrain.runtime.config import load_config
 from posttrain.trainers.sft import SFTConfig
 from posttrain.trainers.sft import train as train_sft
 

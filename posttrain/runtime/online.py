@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from posttrain.core import aggregation_units, masked_whiten, truncated_importance_weights
+from posttrain.core import aggregation_units, masked_importance_weights, masked_whiten, truncated_importance_weights
 from posttrain.data import PromptExample, check_columns, load_prompts, rendered
 from posttrain.errors import UserError
 from posttrain.models import (
@@ -43,10 +43,10 @@ from posttrain.rollout import (
     choose_engine,
     ignored_checkpoint_sampling,
 )
-from posttrain.trainers import engines, signals
-from posttrain.trainers.checkpoint import save_checkpoint
-from posttrain.trainers.inputs import VLLM_LORA_FSDP, check_batch_split, check_inputs
-from posttrain.trainers.loop import (
+from posttrain.runtime import engines, signals
+from posttrain.runtime.checkpoint import save_checkpoint
+from posttrain.runtime.inputs import VLLM_LORA_FSDP, check_batch_split, check_inputs
+from posttrain.runtime.loop import (
     NonFiniteGuard,
     PhaseTimer,
     backward_share,
@@ -58,7 +58,7 @@ from posttrain.trainers.loop import (
     split_train_eval,
     start_run,
 )
-from posttrain.trainers.prefix import SharedPrefix, packed_rollout_rows, prompt_cache_applies, unpack_rows
+from posttrain.runtime.prefix import SharedPrefix, packed_rollout_rows, prompt_cache_applies, unpack_rows
 
 
 class OnlineTrainer:
@@ -109,6 +109,7 @@ class OnlineTrainer:
         engines.configure(acc, micro, math.ceil(rows / micro), config.optim.max_grad_norm)
         acc.print(f"[{self.name}] training engine: {engines.describe(acc)}")
         self.shared = SharedPrefix(enabled=False)  # a trainer with ``shared_prefix`` resolves it once its models load
+        self.producer = None  # the asynchronous producer, started by ``train`` (``start_producer``)
 
     def start_engine(self, policy) -> None:
         """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
@@ -148,6 +149,71 @@ class OnlineTrainer:
         policy's shards are gathered for the rollout and released after (``engines.full_parameters``)."""
         with engines.full_parameters(self.accelerator, self.actor.model):
             return sample(self.engine, self.policy, prompts, self.config.sampling, n)
+
+    def next_rollout(self, step: int, count: int, n: int) -> tuple[Rollout | None, dict | None, dict]:
+        """(rollout, its reward columns, metrics) of step ``step``: ``n`` samples of each of this process's
+        next ``count`` prompts. Synchronous (``rollout.async_steps=0``): drawn now by the current policy.
+        Asynchronous: the batch the producer drew ahead, ``async_steps`` versions ago, after asking it for
+        the batches up to step + async_steps; a batch older than ``rollout.max_staleness`` is dropped
+        (rollout None) or drawn again now (``rollout.on_stale``), never trained on as it is."""
+        acc = self.accelerator
+        if self.producer is None:
+            rollout, columns = self.generate(self.sampler.take_for_process(count, self.prompts, acc), n)
+            return rollout, columns, {}
+        producer, rollout_config = self.producer, self.config.rollout
+        for batch in range(
+            max(producer.requested, default=step - 1) + 1, min(step + producer.steps_ahead, self.total_steps - 1) + 1
+        ):
+            producer.request(batch, self.sampler.take_for_process(count, self.prompts, acc), n)
+        rollout, request, times = producer.take(step)
+        staleness = step - rollout.version.to(torch.float64)
+        metrics = {
+            "rollout/staleness_mean": global_sum(acc, staleness.sum()) / max(global_sum(acc, len(staleness)), 1.0),
+            "rollout/staleness_max": float(acc.gather(staleness.max()[None].to(acc.device)).max()),
+            "time/wait_rollout": times["wait"],
+            "time/producer_idle": times["producer_idle"],
+            "time/producer_generate": times["producer_generate"],
+        }
+        stale = metrics["rollout/staleness_max"] > rollout_config.staleness_bound  # every process decides alike
+        metrics["rollout/stale_batches"] = float(stale)
+        if stale and rollout_config.on_stale == "drop":
+            self.console_warning(
+                f"step {step + 1}: its batch was drawn {metrics['rollout/staleness_max']:g} versions ago, more than "
+                f"rollout.max_staleness={rollout_config.staleness_bound}: dropped, no update (rollout.on_stale=drop)"
+            )
+            return None, None, metrics
+        if stale:  # regenerate: this step's prompts, drawn again by the current policy
+            rollout, _ = self.generate(request.prompts, request.n)
+            rollout.version = torch.full((len(rollout),), step, dtype=torch.long)
+        return rollout, rollout.columns, metrics
+
+    def start_producer(self, start_step: int, state: dict | None) -> None:
+        """The asynchronous producer (``rollout.async_steps`` ≥ 1) from version ``start_step``, holding the
+        batches a resumed checkpoint saved; its threads are taken from this process's."""
+        self.producer = None
+        cfg, acc = self.config, self.accelerator
+        if not cfg.rollout.async_steps:
+            return
+        from posttrain.runtime.producer import Producer
+
+        threads = max(1, torch.get_num_threads() - cfg.rollout.producer_threads)
+        torch.set_num_threads(threads)
+        acc.print(
+            f"[{self.name}] asynchronous rollouts: a producer process draws {cfg.rollout.async_steps} step(s) ahead "
+            f"on {cfg.rollout.producer_threads} thread(s); the trainer keeps {threads}"
+        )
+        self.producer = Producer(
+            self.policy,
+            cfg.rollout,
+            cfg.sampling,
+            cfg.model.tokenizer_path or cfg.model.path,
+            cfg.model.path,
+            cfg.run.seed,
+            acc.process_index,
+            start_step,
+        )
+        if state is not None:
+            self.producer.load_queue(state["checkpoint"], acc.process_index)
 
     # -- what a subclass provides -------------------------------------------------------------------
 
@@ -192,22 +258,12 @@ class OnlineTrainer:
         self.sync_weights()  # a resumed policy is not the checkpoint the engine loaded
         if start_step == 0:
             self.evaluate_at_start()
-        metrics: dict = {}
-        for step in range(start_step, self.total_steps):
-            t0, timer = time.perf_counter(), PhaseTimer()
-            lr = self.actor.scheduler.get_last_lr()[0]  # the rate of this step's first update
-            metrics, rollout, scores = self.train_step(step, timer)
-            if rollout is None:
-                self.logger.log(step + 1, metrics)
-                self.logger.advance()
-                self.save_if_due(step + 1)
-                self.stop_if_signalled(step + 1)
-                continue
-            with timer("sync_weights"):
-                self.sync_weights()
-            metrics["lr"] = lr
-            self.end_step(step + 1, metrics, rollout, scores, timer.read(time.perf_counter() - t0), callbacks)
-            self.stop_if_signalled(step + 1)
+        self.start_producer(start_step, state)
+        try:
+            metrics = self.run_steps(start_step, callbacks)
+        finally:
+            if self.producer is not None:
+                self.producer.close()
         self.logger.close()
         save_final(acc, cfg.run.output_dir, self.models_to_save(), self.tokenizer)
         engines.release_freed_memory()
@@ -218,6 +274,30 @@ class OnlineTrainer:
             "processes": acc.num_processes,
             **self.state(),
         }
+
+    def run_steps(self, start_step: int, callbacks) -> dict:
+        """``train_step`` + weight sync + ``end_step`` for steps ``start_step`` … the last; the last metrics."""
+        metrics: dict = {}
+        for step in range(start_step, self.total_steps):
+            t0, timer = time.perf_counter(), PhaseTimer()
+            lr = self.actor.scheduler.get_last_lr()[0]  # the rate of this step's first update
+            metrics, rollout, scores = self.train_step(step, timer)
+            if self.producer is not None:  # every step is a version, trained or not: the schedule stays fixed
+                with timer("sync_weights"), engines.full_parameters(self.accelerator, self.actor.model):
+                    self.producer.publish(self.policy, step + 1)
+            if rollout is None:
+                self.logger.log(step + 1, metrics)
+                self.logger.advance()
+                self.save_if_due(step + 1)
+                self.stop_if_signalled(step + 1)
+                continue
+            if self.producer is None:
+                with timer("sync_weights"):
+                    self.sync_weights()
+            metrics["lr"] = lr
+            self.end_step(step + 1, metrics, rollout, scores, timer.read(time.perf_counter() - t0), callbacks)
+            self.stop_if_signalled(step + 1)
+        return metrics
 
     def evaluate_at_start(self) -> None:
         """The held-out evaluation of the starting policy, logged as step 0 before any update
@@ -268,16 +348,20 @@ class OnlineTrainer:
 
     def save(self, done: int):
         """Checkpoint ``done`` (``checkpoint.save_checkpoint``); returns its folder."""
-        cfg = self.config
-        return save_checkpoint(
-            self.accelerator,
+        cfg, producer, acc = self.config, self.producer, self.accelerator
+        folder = save_checkpoint(
+            acc,
             cfg.run.output_dir,
             done,
             self.models_to_save(),
             self.tokenizer,
             self.state(),
             cfg.run.keep_last,
+            per_process=None if producer is None else lambda tmp: producer.save_queue(tmp, acc.process_index),
         )
+        if producer is not None:
+            producer.last_checkpoint = str(folder)
+        return folder
 
     def stop_if_signalled(self, done: int) -> None:
         """After step ``done``: on SIGTERM / SIGINT, a checkpoint, one line saying where, exit 143 / 130
@@ -451,7 +535,7 @@ def reference_logprobs(
     reference: Reference, rollout: Rollout, micro_batch_size: int, device, shared: SharedPrefix | None = None
 ) -> torch.Tensor:
     """log π_ref of the response tokens, [B, T], in micro-batches (no grad); a micro-batch's samples of
-    one prompt share it in one packed row when ``shared`` says so (``trainers.prefix``)."""
+    one prompt share it in one packed row when ``shared`` says so (``runtime.prefix``)."""
     ids, mask = rollout.input_ids.to(device), rollout.attention_mask.to(device)
     parts = []
     for s in micro_slices(len(rollout), micro_batch_size):
@@ -520,21 +604,23 @@ def old_logprobs_of(
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """(old_logprobs [B, T], importance weights [B, T] or None, metrics) of a fresh rollout.
 
-    An engine whose log-probs are the training forward's (HF) gives the old log-probs itself. Any other
-    (vLLM: its own kernels and sampler) gets one no-grad training forward, ``forward(rollout, rows)``,
-    at the sampling temperature (docs/pitfalls.md #4); its own log-probs are then compared with it
-    (``rollout/logprob_diff_mean|max``, mean and max |engine − training| over response tokens) and,
-    when ``config.importance_sampling`` is set, turned into truncated importance weights.
+    An engine whose log-probs are the training forward's (HF, lean) gives the old log-probs itself, when it
+    drew the rollout in this process with the current weights. Any other rollout (vLLM: its own kernels and
+    sampler; the asynchronous producer: older weights) gets one no-grad training forward, ``forward(rollout,
+    rows)``, at the sampling temperature (docs/pitfalls.md #4); the behaviour policy's log-probs that came
+    with it are then compared with it (``rollout/logprob_diff_mean|max``, mean and max |π_old − π_behaviour|
+    over response tokens in log space) and, when ``config.importance_sampling`` is set, turned into importance
+    weights (``importance_weights``).
     """
-    if engine.logprobs_exact:
+    if engine.logprobs_exact and rollout.version is None:
         return rollout.logprobs, None, {}
     with torch.no_grad():
         old = torch.cat([forward(rollout, s) for s in micro_slices(len(rollout), micro_batch_size)])
     if rollout.logprobs is None:
         return old, None, {}
     valid = rollout.response_mask.bool().to(old.device)
-    sampler = rollout.logprobs.to(old.device)
-    diff = torch.where(valid, (old - sampler).abs(), 0.0)
+    behaviour = rollout.logprobs.to(old.device)
+    diff = torch.where(valid, (old - behaviour).abs(), 0.0)
     tokens = max(global_sum(accelerator, valid.sum()), 1.0)
     metrics = {
         "rollout/logprob_diff_mean": global_sum(accelerator, diff.sum()) / tokens,
@@ -542,9 +628,30 @@ def old_logprobs_of(
     }
     if config.importance_sampling == "none":
         return old, None, metrics
-    weights = truncated_importance_weights(old, sampler, valid, config.importance_sampling, config.importance_cap)
+    weights, outside = importance_weights(old, behaviour, valid, config)
     metrics["rollout/importance_weight_mean"] = global_sum(accelerator, torch.where(valid, weights, 0.0).sum()) / tokens
+    metrics["rollout/importance_weight_max"] = float(
+        accelerator.gather(torch.where(valid, weights, 0.0).max()[None]).max()
+    )
+    metrics["rollout/importance_clipped_share"] = global_sum(accelerator, (outside & valid).sum()) / tokens
     return old, weights, metrics
+
+
+def importance_weights(
+    old: torch.Tensor, behaviour: torch.Tensor, valid: torch.Tensor, config: RolloutConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [B, T], outside [B, T] bool) of ``config.importance_sampling``: truncated (token, sequence:
+    ``core.truncated_importance_weights``; outside = the ratio was capped) or masked (token_mask,
+    sequence_mask: ``core.masked_importance_weights``; outside = the token was dropped, its weight 0 as the
+    papers' objectives have it, while the loss's normalisation still counts it)."""
+    mode = config.importance_sampling
+    if mode in ("token", "sequence"):
+        weights = truncated_importance_weights(old, behaviour, valid, mode, config.importance_cap)
+        raw = truncated_importance_weights(old, behaviour, valid, mode, math.inf)
+        return weights, raw > config.importance_cap
+    low, high = config.importance_band
+    weights, keep = masked_importance_weights(old, behaviour, valid, mode.removesuffix("_mask"), low, high)
+    return weights, valid & ~keep
 
 
 def gather_whiten(accelerator, values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:

@@ -66,7 +66,7 @@ import torch
 from posttrain.errors import UserError
 from posttrain.models import ModelConfig, Reference, load_causal_lm, load_policy
 from posttrain.models.roles import is_peft_model
-from posttrain.trainers.config import RunConfig
+from posttrain.runtime.config import RunConfig
 
 
 def deepspeed_requested() -> bool:

@@ -33,8 +33,8 @@ import torch
 import yaml
 
 from posttrain.errors import UserError
-from posttrain.trainers import engines
-from posttrain.trainers.checkpoint import (
+from posttrain.runtime import engines
+from posttrain.runtime.checkpoint import (
     CONFIG_FILE,
     NonFiniteError,
     check_finite_weights,
@@ -44,11 +44,11 @@ from posttrain.trainers.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from posttrain.trainers.config import OptimConfig, RunConfig, to_dict
-from posttrain.trainers.inputs import check_batch_split
-from posttrain.trainers.metrics import MetricsLogger, read_metrics
-from posttrain.trainers.runlock import LOCK_FILE
-from posttrain.trainers.signals import handles_stop_signals, stop_if_signalled
+from posttrain.runtime.config import OptimConfig, RunConfig, to_dict
+from posttrain.runtime.inputs import check_batch_split
+from posttrain.runtime.metrics import MetricsLogger, read_metrics
+from posttrain.runtime.runlock import LOCK_FILE
+from posttrain.runtime.signals import handles_stop_signals, stop_if_signalled
 
 
 class Task(Protocol):

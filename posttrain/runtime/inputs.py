@@ -30,7 +30,7 @@ from pathlib import Path
 from posttrain.errors import UserError
 from posttrain.models import ModelConfig, is_peft_adapter
 from posttrain.rewards import load_reward_function
-from posttrain.trainers.runlock import LOCK_FILE, locked_run_dir
+from posttrain.runtime.runlock import LOCK_FILE, locked_run_dir
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _FINAL = re.compile(r"^(?P<run>.*?)/?final/(?P<role>policy|reward|critic)/?$")
@@ -112,7 +112,7 @@ def check_engines(config) -> None:
     """The packages of the engines asked for are installed: DeepSpeed for an accelerate DeepSpeed config
     (``ACCELERATE_USE_DEEPSPEED``), vLLM for ``rollout.engine=vllm`` in the training process (imported
     only once the models are loaded); and a LoRA policy is not handed to a colocated vLLM under FSDP2."""
-    from posttrain.trainers.engines import deepspeed_requested, fsdp_requested
+    from posttrain.runtime.engines import deepspeed_requested, fsdp_requested
 
     if deepspeed_requested() and not _installed("deepspeed"):
         raise UserError(
@@ -374,7 +374,7 @@ def check_run_dir(run) -> None:
     """A fresh run needs an empty or missing ``output_dir``, or ``overwrite``. ``resume_from=latest``
     that finds no complete checkpoint is a fresh run: a folder holding a run (config.yaml,
     metrics.jsonl or final/) is then refused, never silently started over (``overwrite`` replaces it)."""
-    from posttrain.trainers.checkpoint import list_checkpoints
+    from posttrain.runtime.checkpoint import list_checkpoints
 
     out = Path(run.output_dir)
     if run.overwrite or not out.is_dir():

@@ -3,7 +3,7 @@
 Layout of ``<output_dir>/checkpoints/step-000120/``:
 
     hf/<role>/           save_pretrained of each trained model (and the tokenizer): loads without posttrain;
-                         the only copy of the weights, loaded from here on resume (trainers/weights.py)
+                         the only copy of the weights, loaded from here on resume (runtime/weights.py)
     state/               accelerate ``save_state``: optimizer, scheduler, RNG states (every process)
     config.yaml          the resolved config of the run that wrote it
     trainer_state.json   step, epoch, the config's hash and the trainer's own state (e.g. the adaptive KL
@@ -39,7 +39,7 @@ import torch
 import yaml
 
 from posttrain.errors import UserError
-from posttrain.trainers.weights import weights_from_hf, weights_left_to_hf
+from posttrain.runtime.weights import weights_from_hf, weights_left_to_hf
 
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -265,8 +265,12 @@ def _remove_stale_tmp(root: Path) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def save_checkpoint(accelerator, output_dir, step: int, models: dict, tokenizer, trainer_state: dict, keep_last: int):
+def save_checkpoint(
+    accelerator, output_dir, step: int, models: dict, tokenizer, trainer_state: dict, keep_last: int, per_process=None
+):
     """Write checkpoint ``step`` atomically and keep the newest ``keep_last``. Collective: call on every process.
+    ``per_process(folder)``, when given, writes this process's own files into the checkpoint's folder (the
+    asynchronous producer's queue) before the manifest lists them.
 
     A full disk raises ``DiskFullError`` saying so, with the folder, after removing the temporary folder
     (the older checkpoints stay)."""
@@ -282,6 +286,8 @@ def save_checkpoint(accelerator, output_dir, step: int, models: dict, tokenizer,
         accelerator.wait_for_everyone()
         with weights_left_to_hf(accelerator, models):
             accelerator.save_state(str(tmp / "state"))
+        if per_process is not None:
+            per_process(tmp)
         accelerator.wait_for_everyone()  # every process's files are in tmp before the manifest lists them
         failure = None
         if accelerator.is_main_process:
@@ -354,7 +360,7 @@ def load_checkpoint(accelerator, path: Path) -> dict:
     with weights_from_hf(accelerator, path):
         accelerator.load_state(str(path / "state"))
     _rates_from_schedules(accelerator)
-    return json.loads((path / STATE_FILE).read_text())
+    return {**json.loads((path / STATE_FILE).read_text()), "checkpoint": str(path)}
 
 
 def _rates_from_schedules(accelerator) -> None:

@@ -40,7 +40,7 @@ class TrainingInterrupted(SystemExit):
 
 
 def _is_main_rank() -> bool:
-    from posttrain.trainers.runlock import launch_rank
+    from posttrain.runtime.runlock import launch_rank
 
     return launch_rank() == 0
 
@@ -107,7 +107,7 @@ def stop_if_signalled(
     signum = signalled(accelerator)
     if signum is None or done >= total_steps:
         return
-    from posttrain.trainers.checkpoint import checkpoints_dir
+    from posttrain.runtime.checkpoint import checkpoints_dir
 
     path = checkpoints_dir(output_dir) / f"step-{done:06d}" if saved else save()
     logger.close()

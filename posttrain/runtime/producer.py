@@ -1,0 +1,258 @@
+"""The asynchronous rollout worker (``rollout.async_steps`` = k ≥ 1): a separate process with its own copy of
+the policy and its own torch threads samples the batches of steps t+1 … t+k while the trainer updates on
+step t. ``async_steps=0`` never builds it: the synchronous path is untouched.
+
+Versions. The policy's version is the number of trainer steps done. Batch b is drawn by version
+v(b) = max(v₀, b − k) exactly (v₀: the version the run started or resumed at), so it is trained k versions
+after the policy that drew it, once the first k steps are past. The schedule is fixed, not "whatever weights
+the worker has": the same seed gives the same samples however fast either side runs, and a resumed run
+draws what the killed one would have (``save_queue`` / ``load_queue``).
+
+Weights. The trainer publishes its trainable parameters into a shared-memory copy after each step
+(``publish``); the worker copies them into its own model before a batch that needs the new version. A
+version is overwritten only once the worker has taken it for every batch that asked for it, so neither
+side ever reads a half-written or a newer version than the schedule says.
+
+Failure. The worker sends any exception back with its traceback; a worker that dies without a word (killed,
+out of memory) is noticed within a second by the trainer waiting on it, which raises ``ProducerError``
+naming it, its exit code and the last checkpoint. The worker dies with the trainer (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import math
+import multiprocessing as mp
+import queue
+import signal
+import sys
+import time
+import traceback
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+QUEUE_FILE = "rollout_queue_{}.pt"
+POLL_SECONDS = 0.5
+
+
+class ProducerError(RuntimeError):
+    """The asynchronous rollout worker failed or died; the run stops without writing anything further."""
+
+
+@dataclass
+class Request:
+    """Batch ``batch``: ``n`` samples of each of ``prompts``, drawn by policy version ``version``."""
+
+    batch: int
+    prompts: list
+    n: int
+    version: int
+
+
+def batch_seed(seed: int, process_index: int, batch: int) -> int:
+    """The torch seed of one batch's sampling: a function of the run seed, the process and the batch only."""
+    return (seed * 1_000_003 + process_index * 7_919 + batch) % (2**63)
+
+
+def trainable_names(policy: torch.nn.Module) -> list[str]:
+    """The parameters an update changes; the frozen ones (a LoRA policy's base) are sent once, at start."""
+    return [name for name, p in policy.named_parameters() if p.requires_grad]
+
+
+class Producer:
+    """The trainer's handle on the worker: ``request`` batches ahead, ``take`` one when its step comes,
+    ``publish`` the weights after each step, ``close`` at the end."""
+
+    def __init__(
+        self, policy, rollout_config, sampling, tokenizer_path, model_path, seed, process_index, start_version
+    ):
+        k = rollout_config.async_steps
+        self.steps_ahead, self.start_version = k, start_version
+        self.names = trainable_names(policy)
+        context = mp.get_context("spawn")  # fork after torch's thread pools start is unsafe
+        self.shared = copy.deepcopy(policy).requires_grad_(False).share_memory()
+        self.version = context.Value("q", start_version)  # the version in self.shared
+        self.loaded = context.Value("q", -1)  # the last batch the worker took its weights for
+        self.lock = context.Lock()
+        self.requests, self.results = context.Queue(), context.Queue()
+        self.requested: dict[int, Request] = {}
+        self.ready: dict[int, tuple] = {}  # batch → (rollout, producer seconds: idle, generate)
+        self.process = context.Process(
+            target=_produce,
+            args=(self.shared, self.version, self.loaded, self.lock, self.requests, self.results),
+            kwargs={
+                "engine_config": rollout_config,
+                "sampling": sampling,
+                "tokenizer_path": tokenizer_path,
+                "model_path": model_path,
+                "seed": seed,
+                "process_index": process_index,
+                "threads": rollout_config.producer_threads,
+                "names": self.names,
+            },
+            name=f"posttrain-producer-{process_index}",
+            daemon=True,
+        )
+        with _main_module_hidden():
+            self.process.start()
+        self.last_checkpoint = "none yet"
+
+    def version_of(self, batch: int) -> int:
+        """v(b) = max(v₀, b − k): the policy version that draws batch ``batch``."""
+        return max(self.start_version, batch - self.steps_ahead)
+
+    def request(self, batch: int, prompts: list, n: int) -> None:
+        request = Request(batch, prompts, n, self.version_of(batch))
+        self.requested[batch] = request
+        self.requests.put(request)
+
+    def take(self, batch: int):
+        """(rollout, its request, {"producer_idle": s, "producer_generate": s, "wait": s}) of ``batch``,
+        waiting for it."""
+        start = time.perf_counter()
+        while batch not in self.ready:
+            self._receive()
+        rollout, times = self.ready.pop(batch)
+        return rollout, self.requested.pop(batch), {**times, "wait": time.perf_counter() - start}
+
+    def publish(self, policy, version: int) -> None:
+        """Write ``policy``'s trainable weights as ``version``, once the worker has taken the version they
+        replace for every batch requested of it."""
+        old = self.version.value
+        needing = [b for b, r in self.requested.items() if r.version <= old and b not in self.ready]
+        while needing and self.loaded.value < max(needing):
+            self._receive(block=False)
+            self._check_alive()
+            time.sleep(0.001)
+        parameters = dict(policy.named_parameters())
+        shared = dict(self.shared.named_parameters())
+        with self.lock, torch.no_grad():
+            for name in self.names:
+                shared[name].copy_(parameters[name].detach().to(shared[name].device))
+            self.version.value = version
+
+    def pending(self) -> list[int]:
+        """Batches requested and not yet taken, in order."""
+        return sorted(self.requested)
+
+    def save_queue(self, folder: Path, process_index: int) -> None:
+        """Every batch requested and not yet taken, as drawn (waiting for those still being drawn), to
+        ``folder/rollout_queue_<process>.pt``: a resumed run trains on them instead of drawing them again
+        with weights it no longer has."""
+        for batch in self.pending():
+            while batch not in self.ready:
+                self._receive()
+        torch.save(
+            [(self.requested[b], self.ready[b][0]) for b in self.pending()],
+            Path(folder) / QUEUE_FILE.format(process_index),
+        )
+
+    def load_queue(self, folder: Path, process_index: int) -> None:
+        """The batches a checkpoint's ``save_queue`` kept, ready to be taken."""
+        path = Path(folder) / QUEUE_FILE.format(process_index)
+        if not path.is_file():
+            raise ProducerError(
+                f"{path} is missing: the checkpoint was written by a run with another rollout.async_steps; "
+                "resume it with that value"
+            )
+        for request, rollout in torch.load(path, weights_only=False):
+            self.requested[request.batch] = request
+            self.ready[request.batch] = (rollout, {"producer_idle": 0.0, "producer_generate": 0.0})
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.requests.put(None)
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def _receive(self, block: bool = True) -> None:
+        try:
+            message = self.results.get(timeout=POLL_SECONDS) if block else self.results.get_nowait()
+        except queue.Empty:
+            self._check_alive()
+            return
+        if message[0] == "error":
+            self.close()
+            raise ProducerError(f"the rollout producer failed (last checkpoint: {self.last_checkpoint}):\n{message[1]}")
+        _, batch, rollout, times = message
+        self.ready[batch] = (rollout, times)
+
+    def _check_alive(self) -> None:
+        if not self.process.is_alive():
+            code = self.process.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            raise ProducerError(
+                f"the rollout producer process {self.process.name} (pid {self.process.pid}) died ({how}) with "
+                f"batches {self.pending()} outstanding; the run stops here. Last checkpoint: {self.last_checkpoint} "
+                "(run.resume_from=latest continues from it)"
+            )
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Start a spawned process without it importing the parent's ``__main__`` again: a user's script that
+    calls ``train`` at top level, unguarded by ``if __name__ == "__main__"``, would otherwise run a second
+    training inside the producer. Nothing the producer receives is defined in ``__main__``."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _produce(shared, version, loaded, lock, requests, results, **settings) -> None:
+    """The worker's loop: for each request, wait for its version, take those weights, sample, send back."""
+    try:
+        _die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (it checkpoints)
+        torch.set_num_threads(settings["threads"])
+        from posttrain.models import load_tokenizer
+        from posttrain.rollout import build_engine
+        from posttrain.runtime.online import sample
+
+        model = copy.deepcopy(shared)
+        names = settings["names"]  # the frozen rest came with the copy
+        tokenizer = load_tokenizer(settings["tokenizer_path"])
+        engine = build_engine(settings["engine_config"], model, tokenizer, settings["model_path"], settings["seed"])
+        have = -math.inf
+        while True:
+            idle_from = time.perf_counter()
+            request = requests.get()
+            if request is None:
+                return
+            while version.value < request.version:
+                time.sleep(0.001)
+            idle = time.perf_counter() - idle_from
+            with lock:
+                if have != request.version:
+                    if version.value != request.version:  # the trainer waits for `loaded`: cannot happen
+                        raise RuntimeError(
+                            f"batch {request.batch} needs version {request.version}, found {version.value}"
+                        )
+                    own, source = dict(model.named_parameters()), dict(shared.named_parameters())
+                    with torch.no_grad():
+                        for name in names:
+                            own[name].copy_(source[name])
+                    have = request.version
+                loaded.value = request.batch
+            start = time.perf_counter()
+            torch.manual_seed(batch_seed(settings["seed"], settings["process_index"], request.batch))
+            rollout, _ = sample(engine, model, request.prompts, settings["sampling"], request.n)
+            rollout.version = torch.full((len(rollout),), have, dtype=torch.long)
+            times = {"producer_idle": idle, "producer_generate": time.perf_counter() - start}
+            results.put(("ok", request.batch, rollout, times))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))

@@ -1,0 +1,193 @@
+"""Asynchronous rollouts (``rollout.async_steps``, runtime/producer.py): a producer process draws the next
+steps' batches while the trainer updates. The version schedule (batch b drawn by version max(0, b − k)),
+the staleness bound, the importance correction, resume, a dying producer, and async 0 left as it was."""
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from helpers import crash_at
+from safetensors.torch import load_file
+
+from posttrain.runtime.checkpoint import list_checkpoints
+from posttrain.runtime.config import load_config
+from posttrain.runtime.metrics import read_metrics
+from posttrain.runtime.producer import ProducerError
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.grpo import train as train_grpo
+from posttrain.trainers.ppo import PPOConfig
+from posttrain.trainers.ppo import train as train_ppo
+
+EXACT = "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]"
+
+
+def _grpo(noisy_sft, tmp_path, name, *overrides):
+    base = [
+        f"model.path={noisy_sft['policy']}",
+        f"data.path={noisy_sft['prompts']}",
+        "data.chat_template=never",
+        f"run.output_dir={tmp_path / name}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        EXACT,
+        "sampling.max_new_tokens=4",
+        "num_generations=4",
+        "run.batch_size=16",
+        "run.micro_batch_size=16",
+        "optim.lr=5e-4",
+        "kl_coef=0",
+        "log_completions=16",
+        "eval.at_start=false",
+    ]
+    return load_config(GRPOConfig, None, base + list(overrides))
+
+
+def _samples(run_dir) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault(row["step"], []).append(row["completion"])
+    return out
+
+
+def test_async_batches_are_one_version_old_and_the_run_learns_the_same_way(noisy_sft, tmp_path):
+    config = _grpo(
+        noisy_sft, tmp_path, "async", "run.max_steps=4", "rollout.async_steps=1", "rollout.importance_sampling=token"
+    )
+    result = train_grpo(config)
+    rows = read_metrics(config.run.output_dir)
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]  # batch b drawn by version b − 1
+    assert all(r["rollout/stale_batches"] == 0.0 for r in rows)
+    # step 1's batch was drawn by the starting weights, which are π_old: the gap is float noise only
+    assert rows[0]["rollout/logprob_diff_max"] < 1e-5
+    assert rows[0]["policy/first_minibatch_ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    # later batches come from one version back: a real gap, corrected by importance weights
+    assert rows[-1]["rollout/logprob_diff_mean"] > 1e-4
+    assert 0 < rows[-1]["rollout/importance_weight_mean"] < 2.0
+    assert result["steps"] == 4
+
+
+def test_the_same_seed_draws_the_same_samples_however_fast_either_side_runs(noisy_sft, tmp_path):
+    common = ["run.max_steps=3", "rollout.async_steps=2"]
+    train_grpo(_grpo(noisy_sft, tmp_path, "a", *common))
+    train_grpo(_grpo(noisy_sft, tmp_path, "b", *common, "run.micro_batch_size=4"))  # a slower trainer
+    assert _samples(tmp_path / "a") == _samples(tmp_path / "b")
+    rows = read_metrics(tmp_path / "a")
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 2.0]
+
+
+def test_async_zero_builds_no_producer_and_is_the_synchronous_run(noisy_sft, tmp_path):
+    train_grpo(_grpo(noisy_sft, tmp_path, "default", "run.max_steps=2"))
+    config = _grpo(noisy_sft, tmp_path, "zero", "run.max_steps=2", "rollout.async_steps=0")
+    trainer = GRPOTrainer(config)
+    trainer.train()
+    assert trainer.producer is None
+    a = load_file(tmp_path / "default" / "final" / "policy" / "model.safetensors")
+    b = load_file(tmp_path / "zero" / "final" / "policy" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert "rollout/staleness_max" not in read_metrics(tmp_path / "zero")[0]
+
+
+@pytest.mark.parametrize("on_stale", ["drop", "regenerate"])
+def test_a_batch_staler_than_the_bound_is_never_trained_on(noisy_sft, tmp_path, on_stale, capsys):
+    config = _grpo(
+        noisy_sft, tmp_path, on_stale, "run.max_steps=3", "rollout.async_steps=1", f"rollout.on_stale={on_stale}"
+    )
+    trainer = GRPOTrainer(config)
+    config.rollout.max_staleness = 0  # past validation: every batch after the first is one version too old
+    trainer.train()
+    rows = read_metrics(config.run.output_dir)
+    assert [r["rollout/stale_batches"] for r in rows] == [0.0, 1.0, 1.0]
+    if on_stale == "drop":
+        assert all("policy/clipfrac" not in r for r in rows[1:])  # no update on a dropped batch
+        assert "more than rollout.max_staleness=0: dropped" in capsys.readouterr().out
+    else:  # drawn again by the current policy: the old log-probs are the sampler's own
+        assert all(r["policy/first_minibatch_ratio_max"] == pytest.approx(1.0, abs=1e-5) for r in rows)
+
+
+def test_a_resumed_async_run_trains_on_the_samples_the_killed_one_would_have(noisy_sft, tmp_path):
+    common = ["run.max_steps=4", "run.save_every=2", "rollout.async_steps=2", "rollout.importance_sampling=sequence"]
+    train_grpo(_grpo(noisy_sft, tmp_path, "straight", *common))
+    with pytest.raises(KeyboardInterrupt):
+        train_grpo(_grpo(noisy_sft, tmp_path, "crashed", *common), callbacks=[crash_at(3)])
+    (checkpoint,) = [p for p in list_checkpoints(tmp_path / "crashed") if p.name == "step-000002"]
+    assert (checkpoint / "rollout_queue_0.pt").is_file()  # batches 3 and 4, drawn by versions 0 and 1
+    train_grpo(_grpo(noisy_sft, tmp_path, "crashed", *common, "run.resume_from=latest"))
+    assert _samples(tmp_path / "crashed") == _samples(tmp_path / "straight")
+    a = load_file(tmp_path / "straight" / "final" / "policy" / "model.safetensors")
+    b = load_file(tmp_path / "crashed" / "final" / "policy" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_dying_producer_stops_the_run_with_its_name_and_the_last_checkpoint(noisy_sft, tmp_path):
+    config = _grpo(noisy_sft, tmp_path, "dies", "run.max_steps=6", "run.save_every=2", "rollout.async_steps=1")
+    trainer = GRPOTrainer(config)
+
+    def kill_after_step_two(done, metrics):
+        if done == 2:
+            os.kill(trainer.producer.process.pid, signal.SIGKILL)
+
+    timer = threading.Timer(300, lambda: os._exit(3))  # a hang fails the test run instead of blocking it
+    timer.start()
+    try:
+        with pytest.raises(ProducerError, match=r"posttrain-producer-0 .* died \(killed by signal 9\).*step-000002"):
+            trainer.train(callbacks=[kill_after_step_two])
+    finally:
+        timer.cancel()
+    assert [p.name for p in list_checkpoints(config.run.output_dir)] == ["step-000002"]
+    assert not trainer.producer.process.is_alive()
+
+
+def test_ppo_runs_asynchronously(noisy_sft, tiny_dir, tmp_path):
+    overrides = [
+        f"model.path={noisy_sft['policy']}",
+        f"reward_model.path={tiny_dir / 'reward'}",
+        f"data.path={noisy_sft['prompts']}",
+        "data.chat_template=never",
+        f"run.output_dir={tmp_path / 'ppo'}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "sampling.max_new_tokens=4",
+        "run.batch_size=8",
+        "run.max_steps=3",
+        "rollout.async_steps=1",
+        "rollout.importance_sampling=token_mask",
+        "eval.at_start=false",
+    ]
+    train_ppo(load_config(PPOConfig, None, overrides))
+    rows = read_metrics(tmp_path / "ppo")
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(0 <= r["rollout/importance_clipped_share"] <= 1 for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["rollout.async_steps=1", "dynamic_sampling=true"], "dynamic_sampling=true"),
+        (["rollout.async_steps=1", "rollout.max_staleness=0"], "max_staleness must be >= rollout.async_steps=1"),
+    ],
+)
+def test_async_settings_that_cannot_hold_fail_at_start(noisy_sft, tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        _grpo(noisy_sft, tmp_path, "bad", *override).validate()
+
+
+def test_alert_14_watches_the_off_policy_gap():
+    from posttrain.monitor.alerts import AlertConfig, HealthMonitor
+
+    def raised(records):
+        monitor = HealthMonitor(AlertConfig(window=4), None, "reward/mean", "reward/std", echo=lambda s: None)
+        return [a["id"] for step, r in enumerate(records, 1) for a in monitor.check(step, r)]
+
+    base = {"reward/mean": 0.5, "reward/std": 0.3, "kl/per_token": 0.01}
+    steady = [{**base, "rollout/logprob_diff_mean": 0.02, "rollout/importance_clipped_share": 0.01}] * 8
+    assert 14 not in raised(steady)
+    clipped = [{**r, "rollout/importance_clipped_share": 0.4} for r in steady]
+    assert 14 in raised(clipped)
+    growing = [{**base, "rollout/logprob_diff_mean": 0.01 * 2**i} for i in range(8)]
+    assert 14 in raised(growing)
+    noise = [{**base, "rollout/logprob_diff_mean": 1e-6 * 2**i} for i in range(8)]  # grows, but float rounding
+    assert 14 not in raised(noise)
