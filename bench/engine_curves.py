@@ -5,6 +5,11 @@ Run in the environment that has vLLM (``make .venv-vllm/.installed``):
 
     VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python bench/engine_curves.py --seeds 0 1 2 --steps 60
 
+``--compare`` picks other settings of the same run (``SETTINGS``), e.g. asynchronous rollouts at
+staleness 0, 1 and 2 with and without the importance correction (docs/algorithms/async.md):
+
+    .venv/bin/python bench/engine_curves.py --compare async0 async1 async1-none async2 async2-none
+
 The SFT model is the demo's (tiny Llama, 300 steps on single-digit sums from a demonstrator that is
 off by one half the time); GRPO uses the demo's settings (16 prompts × 8 samples of ≤ 4 tokens,
 μ = 2, lr 5e-4, exact-answer reward, no reference). Both engines sample from the same policy
@@ -28,6 +33,15 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VLLM = ["rollout.engine=vllm", "rollout.dtype=float32", "rollout.enforce_eager=true"]
+SETTINGS = {
+    "hf": ["rollout.engine=hf"],
+    "vllm": VLLM,
+    "async0": [],
+    "async1": ["rollout.async_steps=1", "rollout.importance_sampling=token"],
+    "async1-none": ["rollout.async_steps=1"],
+    "async2": ["rollout.async_steps=2", "rollout.importance_sampling=token"],
+    "async2-none": ["rollout.async_steps=2"],
+}
 
 
 def main() -> None:
@@ -37,6 +51,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="folder for the runs and results.json (default: a temp folder)")
+    parser.add_argument("--compare", nargs="+", default=["hf", "vllm"], choices=sorted(SETTINGS))
     args = parser.parse_args()
 
     import torch
@@ -68,7 +83,7 @@ def main() -> None:
 
     runs = []
     for seed in args.seeds:
-        for engine in ("hf", "vllm"):
+        for engine in args.compare:
             out = root / f"grpo-{engine}-{seed}"
             config = load_config(
                 grpo.GRPOConfig,
@@ -81,7 +96,7 @@ def main() -> None:
                     f"run.seed={seed}",
                     f"run.max_steps={args.steps}",
                     *GRPO_SETTINGS,
-                    *(VLLM if engine == "vllm" else []),
+                    *SETTINGS[engine],
                 ],
             )
             start = time.perf_counter()
@@ -100,7 +115,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in run.items() if k != "rewards"}), flush=True)
 
     summary = {}
-    for engine in ("hf", "vllm"):
+    for engine in args.compare:
         mine = [r for r in runs if r["engine"] == engine]
         windows = []
         for start in range(0, args.steps, args.window):

@@ -78,7 +78,12 @@ def grpo(args, out: Path, clock: common.StepClock) -> dict:
         kl_estimator="k3",
         loss_agg="token-mean",
         log_completions=0,
-        **({"rollout": RolloutConfig(engine=args.engine)} if args.engine else {}),
+        rollout=RolloutConfig(
+            engine=args.engine or "auto",
+            async_steps=args.async_steps,
+            producer_threads=args.producer_threads,
+            importance_sampling="token" if args.async_steps else "none",
+        ),
         **shared_prefix(args),
     )
     t = time.perf_counter()
@@ -149,6 +154,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1024)
     ap.add_argument("--num-pairs", type=int, default=1024)
     ap.add_argument("--engine", choices=["hf", "lean"], default=None, help="GRPO rollout engine (default: posttrain's)")
+    ap.add_argument("--async-steps", type=int, default=0, help="GRPO rollout.async_steps (token TIS when >= 1)")
+    ap.add_argument("--producer-threads", type=int, default=1, help="GRPO rollout.producer_threads")
     ap.add_argument(
         "--shared-prefix", choices=["auto", "true", "false"], default=None, help="default: posttrain's (auto)"
     )

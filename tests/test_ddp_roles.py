@@ -99,6 +99,13 @@ def _runs(tiny_dir, tmp_path, setting: str) -> dict[str, tuple[str, list[str], l
     # a LoRA policy whose reference is the same weights with the adapter off (the cheap path)
     lora = "model.lora={r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj]}"
     runs["grpo_lora"] = ("grpo", [*runs["grpo"][1], lora], ["policy/adapter_model.safetensors"])
+    # asynchronous rollouts: each process's producer draws its prompts one version ahead (greedy: the same
+    # responses in either setting)
+    runs["grpo_async"] = (
+        "grpo",
+        [*runs["grpo"][1], "rollout.async_steps=1", "rollout.importance_sampling=token"],
+        ["policy/model.safetensors"],
+    )
     for critic in ("reward", "policy", "shared"):
         saved = ["policy/model.safetensors"]
         saved.append("policy/value_head.safetensors" if critic == "shared" else "critic/model.safetensors")

@@ -53,7 +53,7 @@ def test_sequence_weights_do_not_overflow_on_long_rows():
         ({"async_steps": 1, "producer_threads": 0}, "rollout.producer_threads >= 1"),
         (
             {"async_steps": 1, "engine": "vllm"},
-            "rollout.async_steps >= 1 runs its producer with engine=hf, lean or auto",
+            "rollout.async_steps >= 1 with engine=vllm needs rollout.mode=server",
         ),
         ({"async_steps": 2, "max_staleness": 1}, r"rollout.max_staleness must be >= rollout.async_steps=2"),
         ({"async_steps": 1, "on_stale": "skip"}, "rollout.on_stale must be one of"),

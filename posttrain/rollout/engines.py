@@ -56,8 +56,9 @@ class RolloutConfig:
     """Lower end of the token_mask / sequence_mask band; null = 1 / importance_cap."""
     async_steps: int = 0
     """0: each step samples its own rollout, then trains (synchronous). k >= 1: a separate process draws the
-    batches of the next k steps while the trainer updates (hf and lean engines); each batch is k policy
-    versions old when trained, so set importance_sampling to correct for it (docs/algorithms/async.md)."""
+    batches of the next k steps while the trainer updates (hf and lean engines, or a vLLM server with
+    mode=server); each batch is k policy versions old when trained, so set importance_sampling to correct
+    for it (docs/algorithms/async.md)."""
     max_staleness: int | None = None
     """Most policy versions between the weights that drew a batch and those it trains; null = async_steps.
     A staler batch is never trained on silently: see on_stale."""
@@ -103,10 +104,10 @@ class RolloutConfig:
                 f"{name}.async_steps must be >= 0 (0 = synchronous) and {name}.producer_threads >= 1, got "
                 f"{self.async_steps} and {self.producer_threads}"
             )
-        if self.async_steps and self.engine == "vllm":
+        if self.async_steps and self.engine == "vllm" and self.mode != "server":
             raise ValueError(
-                f"{name}.async_steps >= 1 runs its producer with engine=hf, lean or auto; engine=vllm samples "
-                "synchronously (its server mode already generates outside the training process)"
+                f"{name}.async_steps >= 1 with engine=vllm needs {name}.mode=server (the producer process sends the "
+                "server each version's weights and its requests); a colocated vLLM lives in the training process"
             )
         if self.max_staleness is not None and self.max_staleness < self.async_steps:
             raise ValueError(

@@ -11,6 +11,7 @@ boxes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections import defaultdict
@@ -127,9 +128,16 @@ class OnlineTrainer:
                 f"[{self.name}] the checkpoint's generation_config ({settings}) is not used: rollouts sample "
                 "softmax(logits / sampling.temperature), then sampling.top_k / sampling.top_p, nothing else"
             )
-        self.engine = build_engine(
-            self.config.rollout, policy, self.tokenizer, self.config.model.path, self.config.run.seed
-        )
+        rollout = self.config.rollout
+        if rollout.async_steps and rollout.mode == "server":
+            # the producer process owns the server (its weights are the version it draws with); this
+            # process's own engine serves held-out evaluation and regenerated batches with the current weights
+            rollout = dataclasses.replace(rollout, engine="auto", mode="colocate")
+            self.accelerator.print(
+                f"[{self.name}] the producer samples from the vLLM server; held-out evaluation samples here "
+                f"(rollout.engine=auto: {choose_engine(policy)[0]})"
+            )
+        self.engine = build_engine(rollout, policy, self.tokenizer, self.config.model.path, self.config.run.seed)
         half = self.accelerator.mixed_precision != "no" or next(policy.parameters()).dtype in (
             torch.bfloat16,
             torch.float16,
@@ -195,6 +203,12 @@ class OnlineTrainer:
         if not cfg.rollout.async_steps:
             return
         from posttrain.runtime.producer import Producer
+
+        if cfg.rollout.mode == "server" and acc.num_processes > 1:
+            raise UserError(
+                "rollout.async_steps with rollout.mode=server runs on one training process: the producers of "
+                "several processes would load their weights into the one server between each other's requests"
+            )
 
         threads = max(1, torch.get_num_threads() - cfg.rollout.producer_threads)
         torch.set_num_threads(threads)

@@ -227,7 +227,7 @@ def _produce(shared, version, loaded, lock, requests, results, **settings) -> No
         names = settings["names"]  # the frozen rest came with the copy
         tokenizer = load_tokenizer(settings["tokenizer_path"])
         engine = build_engine(settings["engine_config"], model, tokenizer, settings["model_path"], settings["seed"])
-        have = -math.inf
+        have = synced = -math.inf
         while True:
             idle_from = time.perf_counter()
             request = requests.get()
@@ -248,6 +248,9 @@ def _produce(shared, version, loaded, lock, requests, results, **settings) -> No
                             own[name].copy_(source[name])
                     have = request.version
                 loaded.value = request.batch
+            if synced != have:  # a vLLM server gets the version's weights (hf and lean sample from `model`)
+                engine.sync_weights(model)
+                synced = have
             start = time.perf_counter()
             torch.manual_seed(batch_seed(settings["seed"], settings["process_index"], request.batch))
             rollout, _ = sample(engine, model, request.prompts, settings["sampling"], request.n)
