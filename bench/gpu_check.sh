@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One short run per (trainer, engine) on the GPUs of this machine: bf16 GRPO and PPO steps under
 # accelerate's DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 configs (examples/accelerate/), plus GRPO with a colocated
-# vLLM when vLLM is installed. On GPUs FSDP2 takes accelerate's own path (on CPU, tests/test_fsdp.py runs
+# vLLM when vLLM is installed; GRPO and PPO with asynchronous rollouts (a producer per process, and with two
+# GPUs or more a vLLM server on the last one). On GPUs FSDP2 takes accelerate's own path (on CPU, tests/test_fsdp.py runs
 # it); PPO's default critic=reward is a second FSDP2/DeepSpeed model; on GPUs also
 # bench/read_positions_memory.py (peak memory of a long bf16 log-prob pass, last layer read or full). Writes
 # bench/results/gpu_check-<UTC date>.jsonl: one line per case with its exit status, wall time and last
@@ -67,6 +68,27 @@ run_case ppo-fsdp2 fsdp2 ppo "${PPO[@]}"
 if $PY -c "import vllm" 2>/dev/null; then
   run_case grpo-vllm-colocate none grpo "${GRPO[@]}" rollout.engine=vllm "rollout.sleep=$SLEEP"
   run_case grpo-vllm-zero3 zero3 grpo "${GRPO[@]}" rollout.engine=vllm "rollout.sleep=$SLEEP"
+fi
+# asynchronous rollouts (docs/algorithms/async.md): a producer process per training process, one step ahead
+run_case grpo-async-ddp none grpo "${GRPO[@]}" rollout.async_steps=1 rollout.importance_sampling=token
+run_case ppo-async-ddp none ppo "${PPO[@]}" rollout.async_steps=1 rollout.importance_sampling=token_mask
+if $PY -c "import vllm" 2>/dev/null && [ "$GPUS" -gt 1 ]; then
+  # a vLLM server on the last GPU, one training process on the first; the producer feeds the server
+  CUDA_VISIBLE_DEVICES=$((GPUS - 1)) $PY -m posttrain.cli vllm-serve --model "$WORK/tiny/policy" --port 0 \
+    >"$WORK/server.log" 2>&1 &
+  SERVER=$!
+  URL=""
+  for _ in $(seq 600); do
+    URL=$(grep -m1 '^posttrain vllm-serve:' "$WORK/server.log" 2>/dev/null | sed 's/.* on //')
+    [ -n "$URL" ] && break
+    sleep 1
+  done
+  SAVED_NPROC=$NPROC
+  NPROC=1
+  CUDA_VISIBLE_DEVICES=0 run_case grpo-async-vllm-server none grpo "${GRPO[@]}" rollout.engine=vllm \
+    rollout.mode=server "rollout.server_url=$URL" rollout.async_steps=1 rollout.importance_sampling=token
+  NPROC=$SAVED_NPROC
+  kill "$SERVER"
 fi
 if [ "$GPUS" -gt 0 ]; then  # the last layer only where it is read, on long bf16 sequences: memory and time
   start=$SECONDS

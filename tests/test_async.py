@@ -57,7 +57,9 @@ def test_async_batches_are_one_version_old_and_the_run_learns_the_same_way(noisy
     config = _grpo(
         noisy_sft, tmp_path, "async", "run.max_steps=4", "rollout.async_steps=1", "rollout.importance_sampling=token"
     )
+    threads = torch.get_num_threads()
     result = train_grpo(config)
+    assert torch.get_num_threads() == threads  # the producer's thread lent back: later work runs as before
     rows = read_metrics(config.run.output_dir)
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]  # batch b drawn by version b − 1
     assert all(r["rollout/stale_batches"] == 0.0 for r in rows)
@@ -191,3 +193,21 @@ def test_alert_14_watches_the_off_policy_gap():
     assert 14 in raised(growing)
     noise = [{**base, "rollout/logprob_diff_mean": 1e-6 * 2**i} for i in range(8)]  # grows, but float rounding
     assert 14 not in raised(noise)
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        {"ACCELERATE_USE_FSDP": "true"},
+        {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+    ],
+)
+def test_async_under_a_sharded_engine_is_refused_at_start(noisy_sft, tmp_path, monkeypatch, launch):
+    from posttrain.errors import UserError
+    from posttrain.runtime import inputs
+
+    for key, value in launch.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(inputs, "_installed", lambda package: True)
+    with pytest.raises(UserError, match="rollout.async_steps under FSDP2 or DeepSpeed ZeRO-3"):
+        inputs.check_engines(_grpo(noisy_sft, tmp_path, "sharded", "rollout.async_steps=1"))

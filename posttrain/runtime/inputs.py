@@ -121,6 +121,12 @@ def check_engines(config) -> None:
             "config (examples/accelerate/ddp.yaml, fsdp2.yaml)"
         )
     rollout = vars(config).get("rollout")
+    sharded = fsdp_requested() or (deepspeed_requested() and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3")
+    if rollout is not None and rollout.async_steps and sharded:
+        raise UserError(
+            "rollout.async_steps under FSDP2 or DeepSpeed ZeRO-3: the producer needs the policy whole in each "
+            "process, and building its copy from shards is not built; use plain DDP or ZeRO-2"
+        )
     if rollout is None or rollout.engine != "vllm" or rollout.mode != "colocate":
         return
     if fsdp_requested() and (config.model.lora is not None or is_peft_adapter(config.model.path)):

@@ -272,12 +272,14 @@ class OnlineTrainer:
         self.sync_weights()  # a resumed policy is not the checkpoint the engine loaded
         if start_step == 0:
             self.evaluate_at_start()
+        threads = torch.get_num_threads()
         self.start_producer(start_step, state)
         try:
             metrics = self.run_steps(start_step, callbacks)
         finally:
             if self.producer is not None:
                 self.producer.close()
+                torch.set_num_threads(threads)  # the producer's share back, for what the process runs next
         self.logger.close()
         save_final(acc, cfg.run.output_dir, self.models_to_save(), self.tokenizer)
         engines.release_freed_memory()
