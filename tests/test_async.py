@@ -211,3 +211,24 @@ def test_async_under_a_sharded_engine_is_refused_at_start(noisy_sft, tmp_path, m
     monkeypatch.setattr(inputs, "_installed", lambda package: True)
     with pytest.raises(UserError, match="rollout.async_steps under FSDP2 or DeepSpeed ZeRO-3"):
         inputs.check_engines(_grpo(noisy_sft, tmp_path, "sharded", "rollout.async_steps=1"))
+
+
+def test_one_pass_takes_pi_old_from_its_own_forward_and_updates_as_the_separate_pass_would(
+    noisy_sft, tmp_path, monkeypatch
+):
+    """num_iterations = minibatches = 1: the update's forward, detached, is π_old; no old log-prob pass."""
+    common = ["run.max_steps=3", "rollout.async_steps=1", "rollout.importance_sampling=token", "kl_coef=0.05"]
+    train_grpo(_grpo(noisy_sft, tmp_path, "one_pass", *common, "kl_estimator=k3"))
+    with monkeypatch.context() as patch:
+        patch.setattr(GRPOTrainer, "single_pass", lambda self, rollout: False)
+        train_grpo(_grpo(noisy_sft, tmp_path, "separate", *common, "kl_estimator=k3"))
+    one, separate = read_metrics(tmp_path / "one_pass"), read_metrics(tmp_path / "separate")
+    assert [r["passes/old_logprobs"] for r in one] == [0, 0, 0]
+    assert [r["passes/old_logprobs"] for r in separate] == [1, 2, 3]
+    for a, b in zip(one, separate, strict=True):
+        for key in ("rollout/logprob_diff_mean", "rollout/importance_weight_mean", "kl/per_token", "kl/per_sequence"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
+        assert a["policy/first_minibatch_ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    x = load_file(tmp_path / "one_pass" / "final" / "policy" / "model.safetensors")
+    y = load_file(tmp_path / "separate" / "final" / "policy" / "model.safetensors")
+    assert all(torch.allclose(x[k], y[k], atol=1e-6) for k in x)

@@ -670,6 +670,56 @@ def importance_weights(
     return weights, valid & ~keep
 
 
+class OffPolicyTally:
+    """The metrics of ``old_logprobs_of`` and ``kl_metrics``, summed micro-batch by micro-batch when π_old is
+    the training forward itself: a GRPO update of one pass over one minibatch (``num_iterations=1``,
+    ``minibatches=1``) on an asynchronous batch, whose old log-probs are the first forward's, detached,
+    so the separate no-grad pass is not run."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = defaultdict(float)
+        self.maxima: dict[str, float] = defaultdict(float)
+
+    def weights(self, old, behaviour, valid, config: RolloutConfig) -> torch.Tensor | None:
+        """Importance weights [b, T] of ``config.importance_sampling`` (None: none), tallying the gap."""
+        diff = torch.where(valid, (old - behaviour).abs(), 0.0)
+        self.sums["tokens"] += float(valid.sum())
+        self.sums["diff"] += float(diff.sum())
+        self.maxima["diff"] = max(self.maxima["diff"], float(diff.max()))
+        if config.importance_sampling == "none":
+            return None
+        weights, outside = importance_weights(old, behaviour, valid, config)
+        self.sums["weight"] += float(torch.where(valid, weights, 0.0).sum())
+        self.sums["outside"] += float((outside & valid).sum())
+        self.maxima["weight"] = max(self.maxima["weight"], float(torch.where(valid, weights, 0.0).max()))
+        return weights
+
+    def kl(self, kl: torch.Tensor, valid: torch.Tensor) -> None:
+        per_row = torch.where(valid, kl, 0.0).sum(-1)
+        self.sums["kl"] += float(per_row.sum())
+        self.sums["rows"] += len(per_row)
+        self.sums["kl_tokens"] += float(valid.sum())
+        self.maxima["kl"] = 1.0  # a KL was tallied
+
+    def result(self, accelerator, importance: bool) -> dict[str, float]:
+        def total(key: str) -> float:
+            return global_sum(accelerator, self.sums[key])
+
+        def high(key: str) -> float:
+            return float(accelerator.gather(torch.tensor([self.maxima[key]], device=accelerator.device)).max())
+
+        tokens = max(total("tokens"), 1.0)
+        out = {"rollout/logprob_diff_mean": total("diff") / tokens, "rollout/logprob_diff_max": high("diff")}
+        if importance:
+            out["rollout/importance_weight_mean"] = total("weight") / tokens
+            out["rollout/importance_weight_max"] = high("weight")
+            out["rollout/importance_clipped_share"] = total("outside") / tokens
+        if high("kl") > 0:
+            out["kl/per_token"] = total("kl") / max(total("kl_tokens"), 1.0)
+            out["kl/per_sequence"] = total("kl") / max(total("rows"), 1.0)
+        return out
+
+
 def gather_whiten(accelerator, values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """``core.masked_whiten`` with μ and σ over every process's rows, returned for this process's rows.
 

@@ -55,6 +55,7 @@ from posttrain.runtime.config import (
 )
 from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
 from posttrain.runtime.online import (
+    OffPolicyTally,
     OnlineTrainer,
     Optimized,
     StatsAccumulator,
@@ -300,7 +301,7 @@ class GRPOBatch:
     rollout: Rollout
     mask: torch.Tensor
     advantages: torch.Tensor
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None  # None: the update's own forward, detached (one pass, one minibatch)
     ref_logprobs: torch.Tensor | None
 
 
@@ -363,20 +364,24 @@ class GRPOTrainer(OnlineTrainer):
                 )
             metrics.update(self.reward_metrics(scores, applicable))
             return metrics, rollout, scores
-        with timer("old_logprobs"):
-            old_logprobs, is_weights, mismatch = old_logprobs_of(
-                acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
-            )
-        self.passes["old_logprobs"] += not self.engine.logprobs_exact
-        metrics.update(mismatch)
+        single_pass = self.single_pass(rollout)
+        old_logprobs = is_weights = None
+        if not single_pass:
+            with timer("old_logprobs"):
+                old_logprobs, is_weights, mismatch = old_logprobs_of(
+                    acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
+                )
+            self.passes["old_logprobs"] += rollout.version is not None or not self.engine.logprobs_exact
+            metrics.update(mismatch)
         # 3. reference log-probs and the per-token KL
         ref_logprobs = kl = None
         if self.reference is not None:
             with timer("reference"):
                 ref_logprobs = reference_logprobs(self.reference, rollout, micro, device, self.shared)
             self.passes["reference"] += 1
-            kl = kl_penalty(old_logprobs, ref_logprobs, "k1" if cfg.kl_in == "reward" else cfg.kl_estimator)
-            metrics.update(kl_metrics(acc, kl, mask))
+            if not single_pass:  # else the update's forward tallies it (OffPolicyTally)
+                kl = kl_penalty(old_logprobs, ref_logprobs, "k1" if cfg.kl_in == "reward" else cfg.kl_estimator)
+                metrics.update(kl_metrics(acc, kl, mask))
         # 4. advantages, shared by every token of a response (but reinforce++'s)
         advantages = self.advantages(scores, applicable, kl, mask)
         adv_tokens = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
@@ -530,11 +535,13 @@ class GRPOTrainer(OnlineTrainer):
             return loss, loss_stats
 
         shuffle = cfg.minibatches > 1
+        self.tally = OffPolicyTally() if old_logprobs is None else None
         for iteration, rows in minibatches(
             len(rollout), cfg.num_iterations, cfg.minibatches, cfg.run.seed, step, shuffle
         ):
             ref = None if ref_logprobs is None or cfg.kl_in != "loss" else ref_logprobs[rows]
-            batch = GRPOBatch(rollout.select(rows), mask[rows], advantages[rows], old_logprobs[rows], ref)
+            old = None if old_logprobs is None else old_logprobs[rows]
+            batch = GRPOBatch(rollout.select(rows), mask[rows], advantages[rows], old, ref)
             result, grad_norm = train_minibatch(
                 acc,
                 self.actor,
@@ -550,6 +557,8 @@ class GRPOTrainer(OnlineTrainer):
             stats.add({**result, "grad_norm": grad_norm}, 1.0)
         out = {("policy/" + k if k != "grad_norm" else k): v for k, v in stats.result(acc).items()}
         out["entropy"] = global_sum(acc, entropy[0]) / max(global_sum(acc, entropy[1]), 1.0)
+        if self.tally is not None:
+            out.update(self.tally.result(acc, cfg.rollout.importance_sampling != "none"))
         return {**out, **first_minibatch_metrics(first)}
 
     def policy_loss(self, batch: GRPOBatch, s: slice, with_entropy: bool):
@@ -561,10 +570,16 @@ class GRPOTrainer(OnlineTrainer):
             self.actor.model, batch.rollout, s, self.accelerator.device, with_entropy=with_entropy, shared=self.shared
         )
         self.passes["policy_train"] += 1
+        old, advantages = batch.old_logprobs, batch.advantages[s]
+        if old is None:  # one pass over one minibatch of an asynchronous batch: π_old is this forward
+            old = logprobs.detach()
+            advantages = self.corrected_advantages(batch, s, old, advantages)
+        else:
+            old = old[s]
         loss, stats = POLICY_LOSSES[cfg.policy_loss](
             logprobs,
-            batch.old_logprobs[s],
-            batch.advantages[s],
+            old,
+            advantages,
             batch.mask[s],
             cfg.clip_low,
             cfg.clip_high,
@@ -575,6 +590,29 @@ class GRPOTrainer(OnlineTrainer):
             norm_length=cfg.sampling.max_new_tokens,
         )
         return loss, {**stats, "loss": loss.detach()}, entropy
+
+    def single_pass(self, rollout: Rollout) -> bool:
+        """An asynchronous batch trained in one pass over one minibatch: π_old is that pass's forward,
+        detached, so the no-grad old log-prob forward is not run (nothing needs π_old before the update
+        when the KL, if any, is in the loss)."""
+        cfg = self.config
+        one_pass = cfg.num_iterations == 1 and cfg.minibatches == 1
+        kl_after = self.reference is None or cfg.kl_in == "loss"
+        return rollout.version is not None and rollout.logprobs is not None and one_pass and kl_after
+
+    def corrected_advantages(self, batch: GRPOBatch, s: slice, old: torch.Tensor, advantages: torch.Tensor):
+        """The advantages of rows ``s`` times the importance weights π_old/π_behaviour, with π_old the
+        update's own forward (``OffPolicyTally``); the KL to the reference tallied for the metrics."""
+        cfg = self.config
+        valid = batch.mask[s].bool()
+        behaviour = batch.rollout.logprobs[s].to(old.device)
+        weights = self.tally.weights(old, behaviour, valid, cfg.rollout)
+        if batch.ref_logprobs is not None:
+            self.tally.kl(kl_penalty(old, batch.ref_logprobs[s], cfg.kl_estimator), valid)
+        if weights is None:
+            return advantages
+        tokens = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(weights)
+        return tokens * weights  # w·min(r·A, clip(r)·A) = min(r·wA, clip(r)·wA) for w ≥ 0
 
 
 @holds_run_dir  # the run folder stays locked until the run ends (runlock)
