@@ -134,6 +134,8 @@ class Producer:
         with self.lock, torch.no_grad():
             for name in self.names:
                 shared[name].copy_(parameters[name].detach().to(shared[name].device))
+            if any(p.is_cuda for p in shared.values()):  # the copies are queued on the stream: done before the flag
+                torch.cuda.synchronize()
             self.version.value = version
 
     def pending(self) -> list[int]:
