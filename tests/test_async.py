@@ -232,3 +232,30 @@ def test_one_pass_takes_pi_old_from_its_own_forward_and_updates_as_the_separate_
     x = load_file(tmp_path / "one_pass" / "final" / "policy" / "model.safetensors")
     y = load_file(tmp_path / "separate" / "final" / "policy" / "model.safetensors")
     assert all(torch.allclose(x[k], y[k], atol=1e-6) for k in x)
+
+
+def test_the_producer_ignores_a_sigterm_sent_to_every_process_of_the_job(noisy_sft, tmp_path):
+    """A scheduler's SIGTERM goes to the whole job: the trainer checkpoints with the producer's queue, so the
+    producer must outlive it (and it still ends with the run)."""
+    config = _grpo(noisy_sft, tmp_path, "term", "run.max_steps=3", "rollout.async_steps=1")
+    trainer = GRPOTrainer(config)
+
+    def terminate_the_producer(done, metrics):
+        if done == 1:
+            os.kill(trainer.producer.process.pid, signal.SIGTERM)
+
+    trainer.train(callbacks=[terminate_the_producer])
+    assert [r["step"] for r in read_metrics(config.run.output_dir)] == [1, 2, 3]
+    assert not trainer.producer.process.is_alive()
+
+
+def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(tmp_path):
+    from types import SimpleNamespace
+
+    from posttrain.runtime.producer import Producer
+
+    (tmp_path / "rollout_queue_0.pt").write_bytes(b"")
+    (tmp_path / "rollout_queue_1.pt").write_bytes(b"")
+    handle = SimpleNamespace(requested={}, ready={}, last_checkpoint="none yet")
+    with pytest.raises(ProducerError, match="queues of 2 process"):
+        Producer.load_queue(handle, tmp_path, 0, 1)

@@ -227,7 +227,7 @@ class OnlineTrainer:
             start_step,
         )
         if state is not None:
-            self.producer.load_queue(state["checkpoint"], acc.process_index)
+            self.producer.load_queue(state["checkpoint"], acc.process_index, acc.num_processes)
 
     # -- what a subclass provides -------------------------------------------------------------------
 
@@ -273,13 +273,13 @@ class OnlineTrainer:
         if start_step == 0:
             self.evaluate_at_start()
         threads = torch.get_num_threads()
-        self.start_producer(start_step, state)
         try:
+            self.start_producer(start_step, state)
             metrics = self.run_steps(start_step, callbacks)
         finally:
             if self.producer is not None:
                 self.producer.close()
-                torch.set_num_threads(threads)  # the producer's share back, for what the process runs next
+            torch.set_num_threads(threads)  # the producer's share back, for what the process runs next
         self.logger.close()
         save_final(acc, cfg.run.output_dir, self.models_to_save(), self.tokenizer)
         engines.release_freed_memory()

@@ -76,8 +76,10 @@ class Producer:
         self.names = trainable_names(policy)
         context = mp.get_context("spawn")  # fork after torch's thread pools start is unsafe
         self.shared = copy.deepcopy(policy).requires_grad_(False).share_memory()
-        self.version = context.Value("q", start_version)  # the version in self.shared
-        self.loaded = context.Value("q", -1)  # the last batch the worker took its weights for
+        # one writer each (the trainer, the worker) and no lock of their own: a worker killed while holding
+        # a Value's lock would leave the trainer blocked on reading it
+        self.version = context.Value("q", start_version, lock=False)  # the version in self.shared
+        self.loaded = context.Value("q", -1, lock=False)  # the last batch the worker took its weights for
         self.lock = context.Lock()
         self.requests, self.results = context.Queue(), context.Queue()
         self.requested: dict[int, Request] = {}
@@ -98,7 +100,7 @@ class Producer:
             name=f"posttrain-producer-{process_index}",
             daemon=True,
         )
-        with _main_module_hidden():
+        with _main_module_hidden(), _stop_signals_ignored():
             self.process.start()
         self.last_checkpoint = "none yet"
 
@@ -131,12 +133,17 @@ class Producer:
             time.sleep(0.001)
         parameters = dict(policy.named_parameters())
         shared = dict(self.shared.named_parameters())
-        with self.lock, torch.no_grad():
-            for name in self.names:
-                shared[name].copy_(parameters[name].detach().to(shared[name].device))
+        while not self.lock.acquire(timeout=POLL_SECONDS):  # a worker killed holding it never releases it
+            self._check_alive()
+        try:
+            with torch.no_grad():
+                for name in self.names:
+                    shared[name].copy_(parameters[name].detach().to(shared[name].device))
             if any(p.is_cuda for p in shared.values()):  # the copies are queued on the stream: done before the flag
                 torch.cuda.synchronize()
             self.version.value = version
+        finally:
+            self.lock.release()
 
     def pending(self) -> list[int]:
         """Batches requested and not yet taken, in order."""
@@ -154,15 +161,18 @@ class Producer:
             Path(folder) / QUEUE_FILE.format(process_index),
         )
 
-    def load_queue(self, folder: Path, process_index: int) -> None:
-        """The batches a checkpoint's ``save_queue`` kept, ready to be taken."""
-        path = Path(folder) / QUEUE_FILE.format(process_index)
-        if not path.is_file():
+    def load_queue(self, folder: Path, process_index: int, processes: int) -> None:
+        """The batches a checkpoint's ``save_queue`` kept, ready to be taken; refused when the checkpoint's
+        run had another number of processes (each one's queue holds its own prompts)."""
+        saved = len(list(Path(folder).glob(QUEUE_FILE.format("*"))))
+        if saved != processes:
             raise ProducerError(
-                f"{path} is missing: the checkpoint was written by a run with another rollout.async_steps; "
-                "resume it with that value"
+                f"{folder} holds the asynchronous queues of {saved} process(es), this run has {processes}: "
+                "resume it with the number of processes that wrote it"
             )
-        for request, rollout in torch.load(path, weights_only=False):
+        self.last_checkpoint = str(folder)
+        path = Path(folder) / QUEUE_FILE.format(process_index)
+        for request, rollout in torch.load(path, weights_only=False, map_location="cpu"):
             self.requested[request.batch] = request
             self.ready[request.batch] = (rollout, {"producer_idle": 0.0, "producer_generate": 0.0})
 
@@ -188,6 +198,15 @@ class Producer:
 
     def _check_alive(self) -> None:
         if not self.process.is_alive():
+            while True:  # what it sent before it ended: its traceback says more than its exit code
+                try:
+                    message = self.results.get_nowait()
+                except queue.Empty:
+                    break
+                if message[0] == "error":
+                    raise ProducerError(
+                        f"the rollout producer failed (last checkpoint: {self.last_checkpoint}):\n{message[1]}"
+                    )
             code = self.process.exitcode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             raise ProducerError(
@@ -210,6 +229,25 @@ def _main_module_hidden():
         sys.modules["__main__"] = main
 
 
+@contextlib.contextmanager
+def _stop_signals_ignored():
+    """SIGINT and SIGTERM ignored while the worker starts (an ignored signal stays ignored through exec):
+    a job scheduler's SIGTERM to every process of the job must reach the trainer only, which finishes its
+    step and checkpoints with the worker's help. The worker still dies with the trainer (PR_SET_PDEATHSIG)
+    or at ``close``."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -219,7 +257,8 @@ def _produce(shared, version, loaded, lock, requests, results, **settings) -> No
     """The worker's loop: for each request, wait for its version, take those weights, sample, send back."""
     try:
         _die_with_parent()
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (it checkpoints)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle: it checkpoints, then closes us
+            signal.signal(sig, signal.SIG_IGN)
         torch.set_num_threads(settings["threads"])
         from posttrain.models import load_tokenizer
         from posttrain.rollout import build_engine

@@ -604,7 +604,7 @@ class GRPOTrainer(OnlineTrainer):
         """The advantages of rows ``s`` times the importance weights π_old/π_behaviour, with π_old the
         update's own forward (``OffPolicyTally``); the KL to the reference tallied for the metrics."""
         cfg = self.config
-        valid = batch.mask[s].bool()
+        valid = batch.rollout.response_mask[s].bool().to(old.device)  # as the separate pass: every sampled token
         behaviour = batch.rollout.logprobs[s].to(old.device)
         weights = self.tally.weights(old, behaviour, valid, cfg.rollout)
         if batch.ref_logprobs is not None:
