@@ -206,6 +206,33 @@ def server(tiny_dir, tmp_path):
     log.close()
 
 
+def _check_asynchronous_grpo_one_version_behind(tiny_dir, tmp_path, url):
+    """rollout.async_steps=1 with mode=server: the producer process sends the server each version's weights
+    before the batches that need it, and the trainer trains on batches one version old."""
+    import json as json_
+    import urllib.request
+
+    from posttrain.runtime.metrics import read_metrics
+    from posttrain.trainers.grpo import train
+
+    def weight_loads() -> int:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url + "/health", timeout=30) as response:
+            return json_.loads(response.read())["weight_loads"]
+
+    before = weight_loads()
+    overrides = ["rollout.mode=server", f"rollout.server_url={url}", "rollout.async_steps=1"]
+    config = _grpo_config(
+        tiny_dir, tmp_path, *overrides, "rollout.importance_sampling=token", f"run.output_dir={tmp_path / 'async'}"
+    )
+    train(config)
+    rows = read_metrics(config.run.output_dir)
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[0]["rollout/logprob_diff_max"] < 1e-4  # drawn by version 0, the trainer's π_old at step 1
+    assert rows[2]["rollout/logprob_diff_max"] > 1e-3  # drawn by version 1, trained at version 2 (lr 1e-2)
+    assert weight_loads() - before == 2  # version 0 (batches 1, 2), version 1 (batch 3)
+
+
 def test_grpo_three_steps_against_a_vllm_server_then_a_clear_error_when_it_is_gone(tiny_dir, tmp_path, server):
     from posttrain.rollout.vllm_server import VLLMServerError
     from posttrain.trainers.grpo import GRPOTrainer
@@ -215,40 +242,12 @@ def test_grpo_three_steps_against_a_vllm_server_then_a_clear_error_when_it_is_go
     trainer = GRPOTrainer(config)
     result = trainer.train()
     _check_three_synced_steps(config, result)
+    _check_asynchronous_grpo_one_version_behind(tiny_dir, tmp_path, url)  # the same server: one start-up
 
     process.kill()
     process.wait()
     with pytest.raises(VLLMServerError, match="did not answer /generate"):
         trainer.engine.generate(_prompts(trainer.tokenizer), PARAMS, n=2)
-
-
-def test_asynchronous_grpo_draws_from_a_vllm_server_one_version_behind(tiny_dir, tmp_path, server):
-    """rollout.async_steps=1 with mode=server: the producer process sends the server each version's weights
-    before the batches that need it, and the trainer trains on batches one version old."""
-    import json as json_
-    import urllib.request
-
-    from posttrain.runtime.metrics import read_metrics
-    from posttrain.trainers.grpo import train
-
-    url, _ = server
-    config = _grpo_config(
-        tiny_dir,
-        tmp_path,
-        "rollout.mode=server",
-        f"rollout.server_url={url}",
-        "rollout.async_steps=1",
-        "rollout.importance_sampling=token",
-    )
-    train(config)
-    rows = read_metrics(config.run.output_dir)
-    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
-    assert rows[0]["rollout/logprob_diff_max"] < 1e-4  # drawn by version 0, the trainer's π_old at step 1
-    assert rows[2]["rollout/logprob_diff_max"] > 1e-3  # drawn by version 1, trained at version 2 (lr 1e-2)
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(url + "/health", timeout=30) as response:
-        health = json_.loads(response.read())
-    assert health["weight_loads"] == 2  # version 0 (batches 1, 2), version 1 (batch 3)
 
 
 def test_grpo_under_fsdp2_on_two_processes_against_a_vllm_server(tiny_dir, tmp_path, server):
