@@ -11,38 +11,22 @@ import pytest
 import torch
 from helpers import crash_at
 from safetensors.torch import load_file
+from test_trainers_online import _grpo as online_grpo
 
 from posttrain.runtime.checkpoint import list_checkpoints
 from posttrain.runtime.config import load_config
 from posttrain.runtime.metrics import read_metrics
 from posttrain.runtime.producer import ProducerError
-from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+from posttrain.trainers.grpo import GRPOTrainer
 from posttrain.trainers.grpo import train as train_grpo
 from posttrain.trainers.ppo import PPOConfig
 from posttrain.trainers.ppo import train as train_ppo
 
-EXACT = "rewards=[{function: 'posttrain.rewards.builtin:exact_answer'}]"
-
 
 def _grpo(noisy_sft, tmp_path, name, *overrides):
-    base = [
-        f"model.path={noisy_sft['policy']}",
-        f"data.path={noisy_sft['prompts']}",
-        "data.chat_template=never",
-        f"run.output_dir={tmp_path / name}",
-        "run.progress=false",
-        "run.report_to=[jsonl]",
-        EXACT,
-        "sampling.max_new_tokens=4",
-        "num_generations=4",
-        "run.batch_size=16",
-        "run.micro_batch_size=16",
-        "optim.lr=5e-4",
-        "kl_coef=0",
-        "log_completions=16",
-        "eval.at_start=false",
-    ]
-    return load_config(GRPOConfig, None, base + list(overrides))
+    """test_trainers_online's GRPO run, smaller (4 prompts × 4 samples), logging every sample."""
+    small = ["num_generations=4", "run.batch_size=16", "run.micro_batch_size=16", "log_completions=16"]
+    return online_grpo(noisy_sft, tmp_path, name, *small, "eval.at_start=false", *overrides)
 
 
 def _samples(run_dir) -> dict[int, list[str]]:
@@ -259,3 +243,13 @@ def test_a_checkpoint_resumes_only_with_the_number_of_processes_that_wrote_it(tm
     handle = SimpleNamespace(requested={}, ready={}, last_checkpoint="none yet")
     with pytest.raises(ProducerError, match="queues of 2 process"):
         Producer.load_queue(handle, tmp_path, 0, 1)
+
+
+def test_a_policy_trained_with_gradient_checkpointing_samples_asynchronously(noisy_sft, tmp_path):
+    """transformers' input-grad hook (a local function) cannot cross to the spawned producer: the producer's
+    copy leaves gradient checkpointing out (found by a new user's run)."""
+    config = _grpo(
+        noisy_sft, tmp_path, "ckpt", "run.max_steps=2", "rollout.async_steps=1", "model.gradient_checkpointing=true"
+    )
+    train_grpo(config)
+    assert [r["rollout/staleness_max"] for r in read_metrics(config.run.output_dir)] == [0.0, 1.0]

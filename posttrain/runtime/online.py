@@ -634,23 +634,10 @@ def old_logprobs_of(
         old = torch.cat([forward(rollout, s) for s in micro_slices(len(rollout), micro_batch_size)])
     if rollout.logprobs is None:
         return old, None, {}
+    tally = OffPolicyTally()  # the same gap and weight metrics as a one-pass update's, summed the same way
     valid = rollout.response_mask.bool().to(old.device)
-    behaviour = rollout.logprobs.to(old.device)
-    diff = torch.where(valid, (old - behaviour).abs(), 0.0)
-    tokens = max(global_sum(accelerator, valid.sum()), 1.0)
-    metrics = {
-        "rollout/logprob_diff_mean": global_sum(accelerator, diff.sum()) / tokens,
-        "rollout/logprob_diff_max": float(accelerator.gather(diff.max()[None]).max()),
-    }
-    if config.importance_sampling == "none":
-        return old, None, metrics
-    weights, outside = importance_weights(old, behaviour, valid, config)
-    metrics["rollout/importance_weight_mean"] = global_sum(accelerator, torch.where(valid, weights, 0.0).sum()) / tokens
-    metrics["rollout/importance_weight_max"] = float(
-        accelerator.gather(torch.where(valid, weights, 0.0).max()[None]).max()
-    )
-    metrics["rollout/importance_clipped_share"] = global_sum(accelerator, (outside & valid).sum()) / tokens
-    return old, weights, metrics
+    weights = tally.weights(old, rollout.logprobs.to(old.device), valid, config)
+    return old, weights, tally.result(accelerator, weights is not None)
 
 
 def importance_weights(
@@ -671,10 +658,10 @@ def importance_weights(
 
 
 class OffPolicyTally:
-    """The metrics of ``old_logprobs_of`` and ``kl_metrics``, summed micro-batch by micro-batch when π_old is
-    the training forward itself: a GRPO update of one pass over one minibatch (``num_iterations=1``,
-    ``minibatches=1``) on an asynchronous batch, whose old log-probs are the first forward's, detached,
-    so the separate no-grad pass is not run."""
+    """The sampler/trainer gap, importance-weight and KL metrics, summed part by part and reduced over the
+    processes once: over the whole batch in ``old_logprobs_of``, or micro-batch by micro-batch when π_old is
+    the training forward itself (a GRPO update of one pass over one minibatch on an asynchronous batch,
+    whose old log-probs are the first forward's, detached, so the separate no-grad pass is not run)."""
 
     def __init__(self):
         self.sums: dict[str, float] = defaultdict(float)

@@ -75,7 +75,7 @@ class Producer:
         self.steps_ahead, self.start_version = k, start_version
         self.names = trainable_names(policy)
         context = mp.get_context("spawn")  # fork after torch's thread pools start is unsafe
-        self.shared = copy.deepcopy(policy).requires_grad_(False).share_memory()
+        self.shared = _sampling_copy(policy).share_memory()
         # one writer each (the trainer, the worker) and no lock of their own: a worker killed while holding
         # a Value's lock would leave the trainer blocked on reading it
         self.version = context.Value("q", start_version, lock=False)  # the version in self.shared
@@ -214,6 +214,19 @@ class Producer:
                 f"batches {self.pending()} outstanding; the run stops here. Last checkpoint: {self.last_checkpoint} "
                 "(run.resume_from=latest continues from it)"
             )
+
+
+def _sampling_copy(policy: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of ``policy`` for sampling, without what only training needs: gradient checkpointing's
+    input-grad hook is a local function, which the spawned process cannot unpickle, and the copy never
+    runs a backward."""
+    shared = copy.deepcopy(policy).requires_grad_(False)
+    for module in shared.modules():
+        if getattr(module, "_require_grads_hook", None) is not None:  # transformers' enable_input_require_grads
+            module.disable_input_require_grads()
+        if getattr(module, "is_gradient_checkpointing", False):
+            module.gradient_checkpointing_disable()
+    return shared
 
 
 @contextlib.contextmanager
