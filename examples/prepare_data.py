@@ -4,7 +4,8 @@
 
 writes runs/tiny/{policy,reward} (offline, from seed 0) and runs/tiny/teacher (wider, deeper, seed 1);
 synthetic data under runs/data/ (sums for SFT and RL, a noisy-demonstrator variant, all 100 single-digit
-sums, right / wrong single-digit sums as pairs and as KTO's unpaired rows, vowel pairs and rankings);
+sums, right / wrong single-digit sums as pairs and as KTO's unpaired rows, vowel pairs and rankings,
+calculator episodes and prompts);
 runs/data/hh_rlhf.jsonl (the HH-RLHF harmless-base pairs shipped in posttrain/data/samples, split into
 prompt / chosen / rejected) and the GSM8K prompts (the shipped 300-row samples of each split).
 """
@@ -14,7 +15,14 @@ import sys
 from pathlib import Path
 
 from posttrain.data import load_gsm8k, load_hh_rlhf
-from posttrain.data.synthetic import arithmetic_pairs, arithmetic_sft, unpaired, vowel_pairs, vowel_rankings
+from posttrain.data.synthetic import (
+    arithmetic_pairs,
+    arithmetic_sft,
+    calculator_products,
+    unpaired,
+    vowel_pairs,
+    vowel_rankings,
+)
 from posttrain.models.tiny import build_tiny
 
 
@@ -52,6 +60,16 @@ def main(root: str = "runs") -> None:
     write(root / "data" / "rank_prompts.jsonl", [{"prompt": "rank:"}] * 64)
     write(root / "data" / "vowel_pairs.jsonl", vowel_pairs(2000, seed=0))
     write(root / "data" / "vowel_rankings.jsonl", vowel_rankings(1000, k=4, seed=0))
+    # products only the calculator gives: demonstrated episodes (half answer with a guess), prompts, held-out
+    write(root / "data" / "calc_sft.jsonl", [{"messages": r["messages"]} for r in calculator_products(400, 0, 0.5)])
+    write(
+        root / "data" / "calc_prompts.jsonl",
+        [{"prompt": r["prompt"], "answer": r["answer"]} for r in calculator_products(400, 1)],
+    )
+    write(
+        root / "data" / "calc_heldout.jsonl",
+        [{"prompt": r["prompt"], "answer": r["answer"]} for r in calculator_products(200, 2)],
+    )
     write(root / "data" / "hh_rlhf.jsonl", load_hh_rlhf())
     write(root / "data" / "gsm8k_test_prompts.jsonl", load_gsm8k("test"))
     write(root / "data" / "gsm8k_train_prompts.jsonl", load_gsm8k("train"))

@@ -4,4 +4,6 @@ Importing the package is cheap: ``posttrain.core`` needs torch only, and the hea
 (``models``, ``data``, ``rollout``, ``trainers``) are imported by name when used.
 """
 
-__version__ = "0.1.0"
+# The one place the version is written: pyproject.toml reads it from here; semantic versioning, each
+# release in CHANGELOG.md.
+__version__ = "0.2.0"

@@ -381,7 +381,13 @@ def _print_summary(r: dict, out_path: Path) -> None:
     print("\nposttrain demo: results")
     for key, value in rows:
         print(f"  {key.ljust(width)}  {value}")
-    print(f"\nruns, metrics and checkpoints: {out_path}/  (summary.json, */metrics.jsonl, */final/)")
+    # float rounding differs between CPUs' kernels, and a sampled token that flips changes the rest of a run
+    print(
+        "\nthese numbers repeat on this machine with the same seed and thread count "
+        f"(torch threads: {torch.get_num_threads()}); another CPU or thread count rounds differently, "
+        "samples other tokens and prints other digits"
+    )
+    print(f"runs, metrics and checkpoints: {out_path}/  (summary.json, */metrics.jsonl, */final/)")
     print(f"report (plots, alerts, samples): {r['report']}")
 
 

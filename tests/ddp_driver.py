@@ -48,6 +48,12 @@ def character_sum(prompts, completions, **columns) -> list[float]:
     return [float(sum(map(ord, c)) % 5) for c in completions]
 
 
+def token_sum(prompts, completions, completion_ids, **columns) -> list[float]:
+    """Σ token ids mod 5 of the completion's ids (an episode's: every turn and tool message), which vary between
+    greedy episodes even where their last turns are alike."""
+    return [float(sum(ids) % 5) for ids in completion_ids]
+
+
 def character_sum_unless_tied(prompts, completions, tie, **columns) -> list[float]:
     """Σ ord(c) of the completion (two different responses rarely tie), but 0 for every response to a
     prompt whose ``tie`` column is true: its responses tie and give online DPO no pair."""
@@ -91,3 +97,50 @@ if __name__ == "__main__":
     _end_distributed()  # as the CLI does
     if os.environ.get("RANK", "0") == "0":  # one line: two ranks printing at once can interleave
         print(json.dumps(processes), flush=True)
+
+
+class ToolEveryTurn:
+    """An environment that answers every turn with a tool message ("ok"), so that even a random model's
+    episodes run to ``env.max_turns`` with the environment's tokens between its turns."""
+
+    tools = None
+
+    def __init__(self, config):
+        self.config = config
+
+    def reset(self, row):
+        from posttrain.envs import prompt_messages
+
+        return prompt_messages(row)
+
+    def step(self, state, turn):
+        from posttrain.envs import StepResult
+
+        return StepResult(messages=[{"role": "tool", "content": "ok"}], tool_calls=1)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def hang() -> str:
+    """Never return (a tool that hangs)."""
+    import time
+
+    time.sleep(600)
+    return ""
+
+
+def explode(why: str) -> str:
+    """Raise a RuntimeError.
+
+    Args:
+        why: Its message.
+    """
+    raise RuntimeError(why)

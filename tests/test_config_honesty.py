@@ -64,6 +64,28 @@ def test_presets_resolve_alike_from_python_and_yaml(preset):
         GRPOConfig(preset="ppo")
 
 
+def test_a_choice_given_against_its_preset_fails_naming_both_fields():
+    """A preset's choices (strings) are its method: another one given with it fails at start from YAML,
+    the command line and Python alike, naming the preset, both values and what is allowed; the preset's own
+    value given again is fine, and its numbers and switches stay overridable."""
+    with pytest.raises(ValueError) as err:
+        load_config(GRPOConfig, None, GRPO_BASE + ["preset=gspo", "policy_loss=cispo"])
+    message = str(err.value)
+    assert "preset=gspo sets policy_loss=gspo, but policy_loss=cispo was given too" in message
+    assert "Allowed: policy_loss=gspo or leave policy_loss unset; preset=cispo (which choose" in message
+    assert "or preset=none" in message
+    with pytest.raises(ValueError, match="preset=dapo sets loss_agg=token-mean, but loss_agg=seq-mean-token-mean"):
+        GRPOConfig(preset="dapo", loss_agg="seq-mean-token-mean")
+    with pytest.raises(ValueError, match=r"preset=dr_grpo sets scale_rewards=none, .*Allowed: .*preset=grpo or "):
+        load_config(GRPOConfig, None, GRPO_BASE + ["preset=dr_grpo", "scale_rewards=group"])
+    yaml_config = load_config(GRPOConfig, None, GRPO_BASE + ["preset=gspo", "policy_loss=gspo", "kl_coef=0.01"])
+    assert yaml_config.policy_loss == "gspo" and yaml_config.kl_coef == 0.01
+    assert "kl_coef=0.01 (preset 0.0, overridden)" in yaml_config.preset_report()
+    assert not GRPOConfig(preset="dapo", dynamic_sampling=False).dynamic_sampling  # a switch: overridable
+    with pytest.raises(ValueError, match="preset=cispo sets policy_loss=cispo, but policy_loss=ppo"):
+        dataclasses.replace(GRPOConfig(preset="cispo"), policy_loss="ppo")
+
+
 def test_policy_loss_is_checked_at_start_naming_the_field_and_the_choices():
     """A misspelt policy loss names the field and the choices; GSPO's one ratio per response is refused
     where advantages differ per token (reinforce++, PPO's GAE) with the way out; CISPO's weight may go

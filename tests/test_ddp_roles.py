@@ -106,6 +106,14 @@ def _runs(tiny_dir, tmp_path, setting: str) -> dict[str, tuple[str, list[str], l
         [*runs["grpo"][1], "rollout.async_steps=1", "rollout.importance_sampling=token"],
         ["policy/model.safetensors"],
     )
+    # episodes (posttrain.envs): a tool message after every turn, two turns; two thirds of the vocabulary end a
+    # turn, so that the greedy turns of the random tiny model end before max_new_tokens
+    runs["grpo_env"] = (
+        "grpo",
+        [*runs["grpo"][1], f"env.name={DRIVER}:ToolEveryTurn", "env.max_turns=2", "env.max_episode_tokens=24"]
+        + [f"sampling.stop_token_ids={list(range(4, 70))}", f"rewards=[{{function: '{DRIVER}:token_sum'}}]"],
+        ["policy/model.safetensors"],
+    )
     for critic in ("reward", "policy", "shared"):
         saved = ["policy/model.safetensors"]
         saved.append("policy/value_head.safetensors" if critic == "shared" else "critic/model.safetensors")
@@ -150,6 +158,7 @@ def test_every_trainer_and_critic_on_two_processes_matches_one_process(tiny_dir,
             values = [[r[key] for r in read_metrics(tmp_path / d / name)] for d in ("one", "two")]
             assert values[0] == pytest.approx(values[1], rel=1e-5, abs=1e-9) and values[0][1] != 0, (name, key, values)
     # the padded run really held 2 and 0 pairs at step 1, 1 and 2 at step 2 (no natural tie besides)
+    assert all(r["episode/turns_mean"] > 1 for r in read_metrics(tmp_path / "two" / "grpo_env"))  # multi-turn
     padded = read_metrics(tmp_path / "two" / "online_dpo_padded")
     assert [(r["pairs/count"], r["pairs/tied_prompts"]) for r in padded] == [(2, 2), (3, 1)], padded
 
@@ -161,6 +170,7 @@ SUMMED = {
     "online_dpo_padded": ("pairs/count", "loss"),
     "distill": ("distill/reverse_kl", "score/std", "policy/loss"),
     "distill_jsd": ("distill/reverse_kl", "score/std", "policy/loss"),
+    "grpo_env": ("episode/turns_mean", "episode/env_tokens_mean", "response_length/mean"),
 }
 """{run: the logged metrics that are sums (or a gather) over the processes}."""
 

@@ -19,7 +19,13 @@ from posttrain.models import load_tokenizer
 from posttrain.rollout import SamplingParams
 from posttrain.runtime.config import load_config
 from posttrain.runtime.metrics import read_metrics
-from posttrain.trainers.distill import DistillConfig, DistillTrainer, check_same_vocabulary
+from posttrain.trainers.distill import (
+    DistillConfig,
+    DistillTrainer,
+    check_same_vocabulary,
+    completions_rollout,
+    gkd_on_policy_steps,
+)
 from posttrain.trainers.distill import train as train_distill
 
 # P = the teacher, Q = the student, as the paper names them; logits = log-probs
@@ -360,3 +366,149 @@ def test_cli_yaml_overrides_a_larger_teacher_and_errors_that_name_the_field(tiny
     ):
         with pytest.raises(ValueError, match=message):
             load_config(DistillConfig, str(config), override.split())
+
+
+# -- GKD's λ: steps on the data set's completions ---------------------------------------------------------
+
+
+@pytest.fixture
+def pairs(tmp_path):
+    """16 {prompt, completion, answer} rows: prompts with the data set's own responses (GKD's (X, Y))."""
+    rows = arithmetic_sft(16, seed=2, low=0, high=9)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path), rows
+
+
+def _counting_generate(trainer) -> list:
+    """Each call of the trainer's rollout engine, recorded: a step on the data set must sample nothing."""
+    calls, generate = [], trainer.engine.generate
+    trainer.engine.generate = lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs)
+    return calls
+
+
+def _jsd_by_hand(student: str, teacher: str, rows: list[dict]) -> tuple[float, float]:
+    """GKD's JSD at β = 0.5 and the student's log-prob of each completion token, both averaged over every
+    completion token of ``rows``, in float64 numpy from the two checkpoints' logits: prompt ids with the
+    tokenizer's special tokens, the completion's ids then EOS (no chat template)."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(student)
+    load = AutoModelForCausalLM.from_pretrained
+    models = [load(path, torch_dtype=torch.float64).eval() for path in (student, teacher)]
+    jsd, logprob, tokens = 0.0, 0.0, 0
+    for row in rows:
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():  # the logits at position i predict token i + 1
+            z_q, z_p = (m(ids).logits[0, len(prompt) - 1 : -1].numpy() for m in models)
+        for t, token in enumerate(completion):
+            p, q = _np_softmax(z_p[t]), _np_softmax(z_q[t])
+            m = 0.5 * p + 0.5 * q
+            jsd += 0.5 * _np_kl(p, m) + 0.5 * _np_kl(q, m)
+            logprob += float(np.log(q[token]))
+            tokens += 1
+    return jsd / tokens, logprob / tokens
+
+
+def test_gkd_lmbda_0_trains_on_the_data_set_completions_and_samples_nothing(tiny_dir, pairs, tmp_path):
+    """λ = 0: every step is GKD's supervised step. The engine never samples; the batch is the data set's own
+    completions (samples.jsonl shows them); step 1's loss is the token mean of JSD_0.5(π_T‖π_θ) over those
+    completions' tokens, worked out in float64 numpy from the two untrained checkpoints' logits."""
+    from posttrain.models.tiny import build_tiny
+
+    path, rows = pairs
+    student, teacher = str(tiny_dir / "policy"), str(build_tiny(tmp_path / "teacher", seed=5))
+    config = _distill(
+        student, teacher, path, tmp_path / "gkd0", "loss=jsd", "lmbda=0", "run.max_steps=3", "log_completions=16"
+    )
+    trainer = DistillTrainer(config)
+    calls = _counting_generate(trainer)
+    trainer.train()
+    assert calls == []
+    records = read_metrics(config.run.output_dir)
+    assert [r["distill/on_policy"] for r in records] == [0.0, 0.0, 0.0]
+    assert all("reward/mean" not in r for r in records)
+    samples = [json.loads(line) for line in (tmp_path / "gkd0" / "samples.jsonl").read_text().splitlines()]
+    first = [(s["prompt"], s["completion"]) for s in samples if s["step"] == 1]
+    assert sorted(first) == sorted((r["prompt"], r["completion"]) for r in rows)  # batch 16: every row once
+    jsd, logprob = _jsd_by_hand(student, teacher, rows)
+    assert jsd > 1e-3  # two different models: a loss that could be wrong
+    assert records[0]["policy/loss"] == pytest.approx(jsd, rel=1e-5)
+    assert records[0]["policy/jsd"] == pytest.approx(jsd, rel=1e-5)
+    assert records[0]["distill/student_logprob"] == pytest.approx(logprob, rel=1e-5)
+    assert records[-1]["policy/jsd"] < records[0]["policy/jsd"]  # and it trains towards the teacher
+
+
+def test_gkd_lmbda_1_is_the_on_policy_path(noisy_sft, tiny_dir, prompts, pairs, tmp_path):
+    """λ = 1 (the default): the data set's completions are ignored and the run equals one on prompt rows
+    alone, sampling once per step: the same weights and the same numbers."""
+    student, teacher = str(tiny_dir / "policy"), noisy_sft["policy"]
+    path, rows = pairs
+    prompt_rows = tmp_path / "prompts_only.jsonl"
+    prompt_rows.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    runs = {}
+    for name, data, extra in (("today", str(prompt_rows), []), ("lmbda1", path, ["lmbda=1.0"])):
+        config = _distill(student, teacher, data, tmp_path / name, "run.max_steps=3", *extra)
+        trainer = DistillTrainer(config)
+        calls = _counting_generate(trainer)
+        trainer.train()
+        assert len(calls) == 3, name
+        records = read_metrics(config.run.output_dir)
+        assert [r["distill/on_policy"] for r in records] == [1.0, 1.0, 1.0]
+        runs[name] = (records, load_file(tmp_path / name / "final" / "policy" / "model.safetensors"))
+    (today, a), (lmbda1, b) = runs["today"], runs["lmbda1"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for key in ("distill/reverse_kl", "policy/loss", "grad_norm"):
+        assert [r[key] for r in today] == [r[key] for r in lmbda1], key
+
+
+def test_gkd_lmbda_draws_each_step_from_the_seed(tiny_dir, pairs, tmp_path):
+    """0 < λ < 1: GKD's u_k < λ per step, from run.seed alone (no process index, no global RNG: the same on
+    every process and on resume); the run trains on-policy exactly at those steps, sampling only there."""
+    assert torch.equal(gkd_on_policy_steps(0.3, 50, 7), gkd_on_policy_steps(0.3, 50, 7))
+    assert not torch.equal(gkd_on_policy_steps(0.5, 50, 7), gkd_on_policy_steps(0.5, 50, 8))
+    assert 0.4 < gkd_on_policy_steps(0.5, 1000, 0).double().mean() < 0.6
+    assert not gkd_on_policy_steps(0.0, 100, 0).any() and gkd_on_policy_steps(1.0, 100, 0).all()
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    gkd_on_policy_steps(0.5, 10, 0)
+    assert torch.equal(torch.rand(1), before)  # the sampler's stream is left alone
+
+    path, _ = pairs
+    config = _distill(str(tiny_dir / "policy"), str(tiny_dir / "policy"), path, tmp_path / "mix", "loss=jsd")
+    config = replace(config, lmbda=0.5, run=replace(config.run, max_steps=6, seed=3))
+    schedule = gkd_on_policy_steps(0.5, 6, 3)
+    assert 0 < int(schedule.sum()) < 6  # both kinds of step in this run
+    trainer = DistillTrainer(config)
+    calls = _counting_generate(trainer)
+    trainer.train()
+    records = read_metrics(config.run.output_dir)
+    assert [r["distill/on_policy"] for r in records] == schedule.double().tolist()
+    assert len(calls) == int(schedule.sum())
+
+
+def test_completions_rollout_cuts_at_max_new_tokens(tiny_dir):
+    tokenizer = load_tokenizer(str(tiny_dir / "policy"))
+    pad = tokenizer.pad_token_id
+    rollout = completions_rollout(tokenizer, [[5, 6], [7]], [[11, 12, 13, 14], [15]], SamplingParams(max_new_tokens=3))
+    assert rollout.response_ids.tolist() == [[11, 12, 13], [15, pad, pad]]
+    assert rollout.response_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert rollout.truncated.tolist() == [True, False] and rollout.logprobs is None
+    assert rollout.prompt_ids.tolist() == [[5, 6], [pad, 7]] and rollout.prompt_mask.tolist() == [[1, 1], [0, 1]]
+    assert rollout.group_size == 1 and rollout.prompt_index.tolist() == [0, 1]
+
+
+def test_gkd_lmbda_is_checked_at_start(tiny_dir, prompts, tmp_path):
+    """λ outside [0, 1], λ < 1 with the sampled-token loss, and λ < 1 on rows without a completion stop at
+    start naming the field (the last before any model loads)."""
+    policy = str(tiny_dir / "policy")
+    with pytest.raises(ValueError, match=r"lmbda must be in \[0, 1\]"):
+        _distill(policy, policy, prompts, tmp_path / "x", "loss=jsd", "lmbda=1.5")
+    with pytest.raises(ValueError, match="lmbda=0.5 trains some steps on the data set's completions.*use loss=jsd"):
+        _distill(policy, policy, prompts, tmp_path / "x", "lmbda=0.5")
+    config = _distill(policy, policy, prompts, tmp_path / "x", "loss=jsd", "lmbda=0.5")
+    with pytest.raises(UserError, match="field 'completion': missing: this run trains on the data set's completions"):
+        DistillTrainer(config)

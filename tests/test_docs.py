@@ -199,8 +199,8 @@ def _trainer_configs():
     }
 
 
-# a trainer whose knobs are tabled in a section of another trainer's page: (page, section heading)
-SECTION_PAGES = {"kto": ("dpo", "KTO"), "online_dpo": ("dpo", "Online DPO")}
+# a trainer whose knobs are tabled in one section of a page that tables other trainers' too: (page, section heading)
+SECTION_PAGES = {"dpo": ("dpo", "Config knobs"), "kto": ("dpo", "KTO"), "online_dpo": ("dpo", "Online DPO")}
 
 
 @pytest.mark.parametrize("name", ["sft", "reward_model", "dpo", "ppo", "grpo", "distill", "kto", "online_dpo"])
@@ -221,6 +221,7 @@ def test_algorithm_page_lists_every_knob_with_its_default(name):
 
 def test_config_page_lists_every_section_field():
     from posttrain.data import DataConfig
+    from posttrain.envs import EnvConfig
     from posttrain.models import ModelConfig
     from posttrain.monitor import AlertConfig, EvalConfig
     from posttrain.rewards import RewardSpec
@@ -235,6 +236,7 @@ def test_config_page_lists_every_section_field():
         "sampling": SamplingParams,
         "rollout": RolloutConfig,
         "rewards[]": RewardSpec,
+        "env": EnvConfig,
         "eval": EvalConfig,
         "alerts": AlertConfig,
     }

@@ -1,4 +1,4 @@
-"""The package's layers import downward only: core (torch only) → models, data, rewards, rollout → monitor →
+"""The package's layers import downward only: core (torch only) → models, data, rewards, rollout, envs → monitor →
 runtime → trainers → cli. Read from the source's import statements, so a lazy import inside a function
 counts as much as one at the top."""
 
@@ -14,7 +14,7 @@ LAYERS = [
     {"trainers"},
     {"runtime"},
     {"monitor"},
-    {"models", "data", "rewards", "rollout"},
+    {"models", "data", "rewards", "rollout", "envs"},
     {"errors"},
     {"core"},
 ]
@@ -26,6 +26,8 @@ SIBLINGS = {
     "data": set(),
     "rewards": {"models", "data", "rollout"},
     "rollout": {"models"},
+    # environments render with the data layer's tokenizer, sample through rollout, run tools like rewards
+    "envs": {"models", "data", "rewards", "rollout"},
     # the commands call the demo and export; export never calls back into the command line (an import circle)
     "cli": {"demo", "demo_real", "export"},
     "demo_real": {"demo"},

@@ -485,6 +485,103 @@ def test_report_renders_every_plot_in_headless_chromium(healthy_grpo, kl_ppo, tm
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
 
 
+# --------------------------------------------------------------------------------------------------
+# the report's figures, from synthetic run folders
+# --------------------------------------------------------------------------------------------------
+
+
+def _run_folder(folder, config: dict, rewards: list[float], alerts: tuple[dict, ...] = ()):
+    """A run folder as the trainers leave it: config.yaml, metrics.jsonl (steps 1, 2, ...), alerts.jsonl."""
+    import yaml
+
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    write_jsonl(folder / "metrics.jsonl", [{"step": i, "reward/mean": r} for i, r in enumerate(rewards, 1)])
+    alerts = [{"name": "kl_large", "seen": "KL 0.6", "causes": "c.", "remedy": "r.", **a} for a in alerts]
+    write_jsonl(folder / "alerts.jsonl", alerts)
+    return folder
+
+
+@pytest.fixture
+def grpo_and_ppo_runs(tmp_path):
+    """Two GRPO runs with rewards in [0, 1] and a PPO run from −5 to 10 (−5 + 1.5 per step after the
+    first) with alert 1 at step 4, as the report reads them."""
+    from posttrain.monitor.report import load_run
+
+    grpo = {"num_generations": 8, "kl_coef": 0.0, "run": {"seed": 0}}
+    ppo = {"critic": "policy", "vf_coef": 0.1, "kl_coef": 0.05, "run": {"seed": 0}}
+    folders = [
+        _run_folder(tmp_path / "grpo", grpo, [0.1 * i for i in range(11)]),
+        _run_folder(tmp_path / "grpo_seed1", {**grpo, "run": {"seed": 1}}, [0.2 + 0.05 * i for i in range(11)]),
+        _run_folder(tmp_path / "ppo", ppo, [-5 + 1.5 * i for i in range(11)], ({"step": 4, "id": 1},)),
+    ]
+    return [load_run(folder, folder.name) for folder in folders]
+
+
+def _reward_figure(runs):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from posttrain.monitor.report import _panel_figure
+
+    return _panel_figure("Training reward", ["reward/mean"], "mean", runs, ["C0", "C1", "C2"][: len(runs)])
+
+
+def test_report_gives_each_algorithm_its_own_y_axis_where_scales_differ(grpo_and_ppo_runs):
+    """GRPO's 0–1 reward beside PPO's −5…10: one y-axis each (on one PPO would flatten GRPO to a
+    fifteenth of the height); the two GRPO runs, one algorithm, share theirs."""
+    fig = _reward_figure(grpo_and_ppo_runs)
+    grpo_axis, ppo_axis = fig.axes
+    assert [line.get_label() for line in grpo_axis.lines] == ["grpo: reward/mean", "grpo_seed1: reward/mean"]
+    assert [line.get_label() for line in ppo_axis.lines] == ["ppo: reward/mean", "ppo: alert"]
+    low, high = grpo_axis.get_ylim()
+    assert -0.2 < low <= 0.0 and 1.0 <= high < 1.2  # the GRPO curves fill their axis
+    low, high = ppo_axis.get_ylim()
+    assert low <= -5 and high >= 10 and high - low < 20
+    assert ppo_axis.get_shared_x_axes().joined(grpo_axis, ppo_axis)  # one step axis under both
+    assert ppo_axis.get_xlabel() == "step" and grpo_axis.get_ylabel() == "grpo, grpo_seed1"
+
+    same_scale = [grpo_and_ppo_runs[0], replace(grpo_and_ppo_runs[2], records=grpo_and_ppo_runs[0].records)]
+    (shared,) = _reward_figure(same_scale).axes  # the same scale: one axis, as before
+    assert [line.get_label() for line in shared.lines] == ["grpo: reward/mean", "ppo: reward/mean", "ppo: alert"]
+
+
+def test_report_marks_an_alert_on_the_curves_of_its_run_only(grpo_and_ppo_runs, tmp_path):
+    import matplotlib.colors
+
+    fig = _reward_figure(grpo_and_ppo_runs)
+    markers = [(ax, line) for ax in fig.axes for line in ax.lines if line.get_gid()]
+    ((ax, marker),) = markers
+    assert ax is fig.axes[1] and marker.get_gid() == "alerts-of-ppo"
+    assert list(marker.get_xdata()) == [4] and list(marker.get_ydata()) == pytest.approx([-5 + 1.5 * 3])
+    assert matplotlib.colors.same_color(marker.get_color(), ax.lines[0].get_color())  # the run's colour
+    assert not fig.axes[0].texts and [t.get_text() for t in ax.texts] == ["1"]  # the alert's number
+
+    from posttrain.monitor.report import write_report
+
+    text = write_report([run.path for run in grpo_and_ppo_runs], tmp_path / "report.html").read_text()
+    assert text.count('id="alerts-of-ppo"') == 1 and "alerts-of-grpo" not in text  # one panel, ppo's axis
+
+
+def test_report_alert_timeline_is_in_steps_over_the_runs_span(grpo_and_ppo_runs):
+    """One alert at step 4 of runs logged at steps 1–11: the timeline's x-axis spans the runs' steps, in
+    whole steps (autoscaled to the lone alert, it spanned fractions of a step around it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from posttrain.monitor.report import _alert_figure
+
+    fig = _alert_figure(grpo_and_ppo_runs, ["C0", "C1", "C2"])
+    (ax,) = fig.axes
+    low, high = ax.get_xlim()
+    assert ax.get_xlabel() == "step" and low <= 1 and high >= 11 and high - low < 14
+    ticks = [t for t in ax.get_xticks() if low <= t <= high]
+    assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks)
+    assert [label.get_text() for label in ax.get_yticklabels()] == ["grpo", "grpo_seed1", "ppo"]
+    ((x, row),) = [tuple(offsets) for c in ax.collections for offsets in c.get_offsets()]
+    assert (x, row) == (4, 2)  # on ppo's row
+
+
 def test_evaluation_leaves_training_unchanged(noisy_sft, tmp_path):
     """Evaluating (with sampling) every step trains exactly as not evaluating: the RNG is forked."""
     from safetensors.torch import load_file

@@ -13,6 +13,7 @@ from posttrain.core import kto_loss, kto_reference_point, orpo_loss, simpo_loss
 from posttrain.core.losses import log_odds
 from posttrain.data import DataConfig, DataError, load_preferences, load_sft, load_unpaired
 from posttrain.data.synthetic import arithmetic_pairs, arithmetic_sft, unpaired
+from posttrain.models import ModelConfig
 from posttrain.runtime.config import load_config
 from posttrain.runtime.metrics import read_metrics
 from posttrain.trainers.dpo import DPOConfig
@@ -349,7 +350,8 @@ def test_micro_batching_gives_the_same_steps(tiny_dir, tmp_path, trainer):
             config = _kto_config(tiny_dir, tmp_path, name, *common)
             train_kto(config)
         else:
-            config = _pairs_config(tiny_dir, tmp_path, name, f"loss_type={trainer}", *common)
+            beta = ["beta=0.1"] if trainer == "simpo" else []  # simpo asks for beta: the value the test had
+            config = _pairs_config(tiny_dir, tmp_path, name, f"loss_type={trainer}", *beta, *common)
             train_dpo(config)
         records = read_metrics(config.run.output_dir)
         runs[micro] = (records, load_file(f"{config.run.output_dir}/final/policy/model.safetensors"))
@@ -361,6 +363,106 @@ def test_micro_batching_gives_the_same_steps(tiny_dir, tmp_path, trainer):
             assert [r[key] for r in records] == pytest.approx([r[key] for r in full], rel=1e-5, abs=1e-7), key
         for k in w_full:
             torch.testing.assert_close(weights[k], w_full[k], rtol=0, atol=1e-5)
+
+
+def test_simpo_asks_for_beta_and_dpo_keeps_its_default():
+    """SimPO's β is 2.0–2.5 in its paper, DPO's usual one 0.1: loss_type=simpo without beta stops at start naming
+    the field and the paper's values; set, it is used as given (0.1 too); the DPO losses still read 0.1 unset."""
+    base = ["model.path=m", "data.path=d"]
+    with pytest.raises(ValueError, match=r"simpo needs beta set: .*beta=2.0 to 2.5.*simpo_gamma about beta/2"):
+        load_config(DPOConfig, None, base + ["loss_type=simpo"])
+    with pytest.raises(ValueError, match="loss_type=simpo needs beta set"):
+        DPOConfig(model=ModelConfig(path="m"), data=DataConfig(path="d"), loss_type="simpo").validate()
+    for given in ("2.5", "0.1"):
+        config = load_config(DPOConfig, None, base + ["loss_type=simpo", f"beta={given}"])
+        assert config.beta_in_force == float(given)
+    for loss_type in ("sigmoid", "ipo", "hinge"):
+        config = load_config(DPOConfig, None, base + [f"loss_type={loss_type}"])
+        assert config.beta is None and config.beta_in_force == 0.1
+    assert load_config(DPOConfig, None, base + ["beta=0.3"]).beta_in_force == 0.3
+
+
+LORA = "model.lora={r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj], lora_dropout: 0.0}"
+TRAINERS = {
+    "kto": lambda tiny_dir, tmp_path, name, *o: (_kto_config(tiny_dir, tmp_path, name, *o), train_kto),
+    "simpo": lambda tiny_dir, tmp_path, name, *o: (
+        _pairs_config(tiny_dir, tmp_path, name, "loss_type=simpo", "beta=2.0", "simpo_gamma=1.0", *o),
+        train_dpo,
+    ),
+    "orpo": lambda tiny_dir, tmp_path, name, *o: (
+        _pairs_config(tiny_dir, tmp_path, name, "loss_type=orpo", "orpo_lambda=0.5", *o),
+        train_dpo,
+    ),
+}
+
+
+@pytest.mark.parametrize("trainer", ["kto", "simpo", "orpo"])
+def test_lora_trains_the_adapter_only_and_kto_reads_the_adapter_off_reference(tiny_dir, tmp_path, monkeypatch, trainer):
+    """With ``model.lora`` the optimizer gets the adapter's matrices and nothing else (the trainable parameters
+    of the same peft model built here), the run learns and saves an adapter. KTO's reference is the policy
+    with its adapter off: step 1 is at the start values (policy = reference: loss 0.5, KL 0), later steps move
+    away from it, and the run equals one whose reference is a frozen copy of the base model."""
+    from posttrain.models import ModelConfig, load_policy
+    from posttrain.runtime import loop
+
+    given, build_optimizer = [], loop.build_optimizer
+
+    def recording(params, *args):  # the real function, the parameters it was given kept
+        params = list(params)
+        given.extend(params)
+        return build_optimizer(params, *args)
+
+    monkeypatch.setattr(loop, "build_optimizer", recording)
+    common = (LORA, "optim.lr=5e-3", "run.max_steps=6")
+    config, train = TRAINERS[trainer](tiny_dir, tmp_path, "lora", *common)
+    train(config)
+    lora = load_config(type(config), None, ["model.path=m", "data.path=d", LORA]).model.lora
+    peft = load_policy(ModelConfig(path=str(tiny_dir / "policy"), lora=lora))
+    trainable = [(n, p) for n, p in peft.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n, _ in trainable)
+    assert sorted(tuple(p.shape) for p in given) == sorted(tuple(p.shape) for _, p in trainable)
+    assert (tmp_path / "lora" / "final" / "policy" / "adapter_config.json").is_file()
+    records = read_metrics(config.run.output_dir)
+    assert sum(r["loss"] for r in records[-2:]) < sum(r["loss"] for r in records[:2])
+    if trainer == "kto":
+        assert records[0]["loss"] == pytest.approx(0.5, abs=1e-6) and records[0]["kl"] == pytest.approx(0, abs=1e-6)
+        assert any(abs(r["kl"]) > 1e-4 for r in records[1:])  # the adapter-on policy left its reference
+        copy, _ = TRAINERS[trainer](tiny_dir, tmp_path, "copy", *common, "reference=copy")
+        train(copy)
+        kl = [r["kl"] for r in read_metrics(copy.run.output_dir)]
+        assert kl == pytest.approx([r["kl"] for r in records], abs=1e-6)
+
+
+@pytest.mark.parametrize("trainer", ["kto", "simpo", "orpo"])
+def test_bf16_mixed_precision_runs_with_finite_losses(tiny_dir, tmp_path, trainer):
+    """run.mixed_precision=bf16 (autocast on this CPU too), in a subprocess (accelerate keeps one mixed precision
+    per process): two steps with finite loss and gradient norm, and a first loss near the float32 run's but not
+    equal to it (the matmuls did run in bfloat16)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from posttrain.runtime.config import to_dict
+
+    losses = {}
+    for precision in ("bf16", "no"):
+        config, train = TRAINERS[trainer](tiny_dir, tmp_path, precision, f"run.mixed_precision={precision}")
+        config.run.max_steps = 2
+        if precision == "no":
+            train(config)
+        else:
+            path = tmp_path / "bf16.yaml"
+            path.write_text(yaml.safe_dump(to_dict(config)))
+            verb = "kto" if trainer == "kto" else "dpo"
+            command = [sys.executable, "-m", "posttrain.cli", verb, "--config", str(path)]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert "bf16 mixed precision" in done.stdout, done.stdout
+        records = read_metrics(config.run.output_dir)
+        assert len(records) == 2 and all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+        losses[precision] = records[0]["loss"]
+    assert losses["bf16"] != losses["no"] and losses["bf16"] == pytest.approx(losses["no"], rel=0.05)
 
 
 def test_kto_precomputed_reference_matches_frozen_copy(tiny_dir, tmp_path):

@@ -198,6 +198,46 @@ def test_ppo_starts_on_policy_with_a_critic_from_the_model(smollm2, tmp_path):
     assert math.isfinite(record["value_loss"])
 
 
+def test_grpo_on_episodes_keeps_chatml_turns_and_starts_on_policy(smollm2, tokenizer, tmp_path):
+    """Episodes on ChatML: after the model's <|im_end|> (which it sampled) the tool's message comes as the
+    template writes it, and the first-minibatch ratio over the model's tokens is 1 as on single turns."""
+    from pathlib import Path
+
+    from posttrain.envs import followup_ids
+    from posttrain.runtime.config import load_config
+    from posttrain.trainers.grpo import GRPOConfig, train
+
+    glue = tokenizer.decode(followup_ids(tokenizer, [{"role": "tool", "content": "69104"}], None, "<|im_end|>"))
+    assert glue == "\n<|im_start|>tool\n69104<|im_end|>\n<|im_start|>assistant\n"
+    driver = Path(__file__).parent / "ddp_driver.py"
+    config = load_config(
+        GRPOConfig,
+        None,
+        [
+            f"model.path={smollm2}",
+            f"data.path={_prompts(tmp_path)}",
+            "run.batch_size=4",
+            "run.micro_batch_size=4",
+            "num_generations=2",
+            "kl_coef=0.04",
+            "sampling.max_new_tokens=16",
+            "sampling.stop_strings=['.', '?', '!']",  # short turns that end before max_new_tokens
+            f"env.name={driver}:ToolEveryTurn",
+            "env.max_turns=2",
+            "env.max_episode_tokens=64",
+            f"rewards=[{{function: '{driver}:token_sum'}}]",
+        ]
+        + _common(tmp_path, "grpo_env"),
+    )
+    train(config)
+    (record,) = _metrics(tmp_path / "grpo_env")
+    assert abs(record["policy/first_minibatch_ratio_max"] - 1) < 1e-4
+    assert abs(record["policy/first_minibatch_ratio_min"] - 1) < 1e-4
+    assert record["episode/turns_mean"] > 1 and record["episode/env_tokens_mean"] > 0
+    samples = [json.loads(line) for line in open(tmp_path / "grpo_env" / "samples.jsonl")]
+    assert any("<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n" in s["completion_text"] for s in samples)
+
+
 def test_posttrain_eval_reads_the_gguf_by_name(tmp_path):
     """``posttrain eval --model smollm2``: the packaged model converted on first use, greedy on two sums."""
     import subprocess

@@ -73,6 +73,26 @@ def test_after_a_weight_sync_vllm_logprobs_equal_the_training_forward(engine, ti
     assert _gap(policy, fresh) < 1e-5  # float32 on CPU: the same weights give the same log-probs
 
 
+def test_episodes_through_vllm_keep_its_tokens_and_log_probs_on_the_model_turns(engine, tiny_dir):
+    """Episodes at different turns sampled together by vLLM: the model's tokens carry vLLM's log-probs, which
+    are the training forward's on them; the environment's tokens are in the row, not in the action mask."""
+    from pathlib import Path
+
+    from posttrain.envs import EnvConfig, build_environment, run_episodes
+
+    policy = load_policy(ModelConfig(path=str(tiny_dir / "policy"), device="cpu"))
+    engine.sync_weights(policy)  # the checkpoint's weights, whatever an earlier test synced
+    config = EnvConfig(name=f"{Path(__file__).parent / 'ddp_driver.py'}:ToolEveryTurn", max_turns=3)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=list(range(4, 70)))
+    rows = [{"prompt": "ab"}, {"prompt": "3+4="}]
+    rollout = run_episodes(engine, build_environment(config), config, engine.tokenizer, rows, params, 2)
+    assert max(rollout.columns["turns"]) > 1 and (rollout.response_mask - rollout.action_mask).sum() > 0
+    with torch.no_grad():
+        logprobs, _ = policy_logprobs(policy, rollout, slice(0, len(rollout)), "cpu")
+    model_tokens = rollout.action_mask.bool()
+    assert float((logprobs - rollout.logprobs)[model_tokens].abs().max()) < 1e-5
+
+
 def test_lora_sync_gives_vllm_the_merged_model(engine, tiny_dir):
     """Issue 9 item 2: vLLM received the base weights (tensors gathered inside merge, unmerged before load)."""
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"], "lora_dropout": 0.0}

@@ -31,26 +31,29 @@ def shape_rewards(
 def gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16):
+    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16) over the valid tokens of each row:
 
-        δ_t = r_t + γ·V_{t+1} − V_t,      A_t = δ_t + γλ·A_{t+1},      returns_t = A_t + V_t
+        δ_t = r_t + γ·V_{t'} − V_t,      A_t = δ_t + γλ·A_{t'},      returns_t = A_t + V_t
 
-    with V_{t+1} = 0 and A_{t+1} = 0 after the last valid token: the response ends there, so
-    nothing is bootstrapped from padding (docs/pitfalls.md #12).
+    where t' is the next valid token after t, and V_{t'} = A_{t'} = 0 after the last one: the response
+    ends there, so nothing is bootstrapped from padding (docs/pitfalls.md #12). Masked tokens inside a row
+    (an episode's environment tokens) are skipped, not ends: the state at the model's next turn follows its
+    last one, the environment's answer being part of that state (docs/algorithms/multi_turn.md).
 
-    rewards, values: [B, T]; mask: [B, T], 1 = response token, each row ones then zeros.
+    rewards, values: [B, T]; mask: [B, T], 1 = a token the policy sampled.
     Returns (advantages [B, T], returns [B, T]), both 0 at masked positions.
     """
     mask = mask.bool()
     rewards, values = zero_masked(rewards, mask), zero_masked(values, mask)
     T = rewards.shape[-1]
     advantages_reversed = []
+    next_value = torch.zeros_like(values[:, 0])
     next_advantage = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(values[:, t])  # 0 past the end
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = torch.where(mask[:, t], delta + gamma * lam * next_advantage, 0.0)
-        advantages_reversed.append(next_advantage)
+        advantage = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * next_advantage
+        advantages_reversed.append(torch.where(mask[:, t], advantage, 0.0))
+        next_advantage = torch.where(mask[:, t], advantage, next_advantage)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
     returns = zero_masked(advantages + values, mask)
     return advantages, returns

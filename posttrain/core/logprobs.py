@@ -2,7 +2,7 @@
 judge's P(yes) from the logits of one position (``yes_probability``).
 
 A naive ``log_softmax(logits.float(), -1).gather(-1, tokens)`` materialises a second full
-[B, T, V] float32 tensor (512 MiB for B=4, T=1024, V=32000). Here each chunk of positions is
+[B, T, V] float32 tensor (500 MiB for B=4, T=1024, V=32000). Here each chunk of positions is
 reduced to one number per position before the next chunk is touched, so the extra memory outside
 autograd is a few chunks of ``_CHUNK_ELEMENTS`` floats whatever B·T is.
 """

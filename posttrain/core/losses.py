@@ -98,12 +98,9 @@ def ppo_policy_loss(
     kl (masked mean of the KL term) when ``ref_logprobs`` is given.
     """
     mask, logprobs, old_logprobs, advantages = _policy_inputs(logprobs, old_logprobs, advantages, mask)
-    clip_high = clip_low if clip_high is None else clip_high
     ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    stats = _ratio_stats(ratio, clipped > unclipped, logprobs, old_logprobs, mask)
+    per_token, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
+    stats = _ratio_stats(ratio, clipped, logprobs, old_logprobs, mask)
     return _aggregate_with_kl(per_token, stats, logprobs, mask, agg, norm_length, ref_logprobs, kl_coef, kl_estimator)
 
 
@@ -142,17 +139,14 @@ def gspo_policy_loss(
     tokens of the ratio the loss uses (s_i repeated on each of the row's tokens).
     """
     mask, logprobs, old_logprobs, advantages = _policy_inputs(logprobs, old_logprobs, advantages, mask)
-    clip_high = clip_low if clip_high is None else clip_high
     seq_log_ratio = masked_mean(logprobs - old_logprobs, mask, dim=-1)[:, None]  # [B, 1]; 0 for an empty row
     if token_level:  # value of s_i, gradient of each token's own log-prob
         log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
     else:
         log_ratio = seq_log_ratio.expand_as(logprobs)
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    stats = _ratio_stats(ratio, clipped > unclipped, logprobs, old_logprobs, mask)
+    per_token, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
+    stats = _ratio_stats(ratio, clipped, logprobs, old_logprobs, mask)
     return _aggregate_with_kl(per_token, stats, logprobs, mask, agg, norm_length, ref_logprobs, kl_coef, kl_estimator)
 
 
@@ -185,9 +179,8 @@ def cispo_policy_loss(
     are over valid tokens of the unclipped r_t.
     """
     mask, logprobs, old_logprobs, advantages = _policy_inputs(logprobs, old_logprobs, advantages, mask)
-    clip_high = clip_low if clip_high is None else clip_high
     ratio = torch.exp(logprobs - old_logprobs)
-    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
+    weight = _clip_ratio(ratio, clip_low, clip_high).detach()
     per_token = -weight * advantages * logprobs
     stats = _ratio_stats(ratio, weight != ratio, logprobs, old_logprobs, mask)
     return _aggregate_with_kl(per_token, stats, logprobs, mask, agg, norm_length, ref_logprobs, kl_coef, kl_estimator)
@@ -210,6 +203,21 @@ def _policy_inputs(logprobs, old_logprobs, advantages, mask):
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logprobs)
     return mask, zero_masked(logprobs, mask), zero_masked(old_logprobs, mask), zero_masked(advantages, mask)
+
+
+def _clipped_surrogate(ratio, advantages, clip_low: float, clip_high: float | None) -> tuple[torch.Tensor, ...]:
+    """PPO's clipped surrogate of a ratio, per token, as a loss (Schulman et al. 2017, eq. 7):
+    (ℓ_t = max(−A_t·r_t, −A_t·clip(r_t, 1 − clip_low, 1 + clip_high)) [B, T], on the clipped branch [B, T] bool).
+    One function for PPO's token ratio and GSPO's sequence ratio."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * _clip_ratio(ratio, clip_low, clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def _clip_ratio(ratio: torch.Tensor, clip_low: float, clip_high: float | None) -> torch.Tensor:
+    """clip(r, 1 − clip_low, 1 + clip_high), ``clip_high`` None = ``clip_low``: the trust region of PPO's and
+    GSPO's ratio and of CISPO's weight."""
+    return torch.clamp(ratio, 1.0 - clip_low, 1.0 + (clip_low if clip_high is None else clip_high))
 
 
 def _ratio_stats(ratio, clipped, logprobs, old_logprobs, mask) -> dict[str, torch.Tensor]:

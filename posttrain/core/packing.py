@@ -218,8 +218,8 @@ def packed_group_shape(
     """(rows, length) of ``pack_groups``' batch for these rows, without building it: one row per
     distinct ``prompt_index``, as long as the longest prompt + Σ responses of a group; None where
     ``pack_groups`` returns None (a row without a response token). What ``forward_cost`` needs to
-    decide whether packing pays, at the cost of two sums (issue 13: the decision ran on every
-    micro-batch and built the packed tensors only to compare their shape).
+    decide whether packing pays, at the cost of two sums: the decision runs on every micro-batch, and
+    building the packed tensors only to compare their shape would cost a packing each time.
 
     prompt_mask [B, P_len], response_mask [B, T], prompt_index [B] as in ``pack_groups``.
     """

@@ -22,6 +22,7 @@ from posttrain.data.datasets import (
     load_sft,
     load_unpaired,
     pack_sft,
+    prompt_completions,
     rendered,
 )
 from posttrain.data.encode import Encoder
@@ -57,5 +58,6 @@ __all__ = [
     "load_sft",
     "load_unpaired",
     "pack_sft",
+    "prompt_completions",
     "read_rows",
 ]

@@ -19,6 +19,8 @@ from posttrain.data.rows import (
     FIRST_ROWS,
     DataError,
     NoUsableRows,
+    Row,
+    check_completion,
     check_preference,
     check_prompt,
     check_ranking,
@@ -359,6 +361,21 @@ def check_columns(examples: list[PromptExample], needs: dict[str, list[str]], so
                     f"missing: reward function {function!r} needs this column, which no row has "
                     f"(the rows' columns: {', '.join(sorted(have))}), or a value in that reward's kwargs",
                 )
+
+
+def prompt_completions(examples: list[PromptExample], config: DataConfig, tokenizer) -> list[list[int]]:
+    """Token ids of each prompt row's ``completion`` column as it follows the row's prompt (the template's end
+    of turn, or EOS without a template; not cut), in the order of ``examples``: for a trainer that trains on
+    the data set's own responses besides its samples. A row without one raises ``DataError`` before any
+    model loads."""
+    encoder = config.encoder(tokenizer)
+    out = []
+    for example in examples:
+        shown = example.prompt if isinstance(example.prompt, str) else example.prompt[-1]["content"]
+        where = f"{config.path} (the row whose prompt is {shown[:60]!r})"
+        completion = check_completion(Row(where, {"completion": example.columns.get("completion")}))
+        out.append(encoder.completion(example.prompt, completion, where))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -94,6 +94,11 @@ class Encoder:
         ids = self.tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
         return self._end_at_end_of_turn(ids)
 
+    def completion(self, prompt, completion, where: str = "<row>", field: str = "completion") -> list[int]:
+        """Token ids of ``completion`` as it follows ``prompt`` (the template's end of turn, or EOS appended
+        without a template), not cut: the response after a prompt encoded on its own by ``prompt``."""
+        return self._completion_ids(prompt, completion, where, field)
+
     def _end_at_end_of_turn(self, ids: list[int]) -> list[int]:
         """The completion up to its last special token when only whitespace follows it.
 

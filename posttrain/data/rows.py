@@ -330,6 +330,14 @@ def check_prompt(row: Row) -> tuple[str | list[dict], dict[str, Any]]:
     return prompt, {k: v for k, v in row.data.items() if k != "prompt"}
 
 
+def check_completion(row: Row) -> str | list[dict]:
+    """The ``completion`` of a prompt row that must have one (a trainer that also trains on the data set's
+    own responses, such as GKD's supervised batches in ``posttrain distill``)."""
+    if row.data.get("completion") is None:
+        raise DataError(row.where, "completion", "missing: this run trains on the data set's completions too")
+    return _text_or_messages(row, "completion")
+
+
 def check_unpaired(row: Row) -> tuple[str | list[dict], str | list[dict], bool]:
     """(prompt, completion, label) of an unpaired preference row (KTO's, TRL's unpaired preference type):
     label is a JSON boolean, true for a desirable completion and false for an undesirable one."""

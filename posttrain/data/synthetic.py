@@ -5,6 +5,8 @@
 - ``vowel_rankings``: K random letter strings ranked by how many vowels they hold (more is better): a
   preference a tiny reward model can learn, with a true score to check it against.
 - ``vowel_pairs``: the same as preference pairs (the best and the worst of each ranking).
+- ``calculator_products``: products of a 3–4-digit and a 2-digit number as calculator episodes
+  (``env.name=calculator``): SFT conversations that call the tool and copy its answer, and prompt rows.
 - ``arithmetic_pairs``: sums as preference pairs, the right sum chosen and one off by one rejected;
   ``unpaired`` splits pairs into KTO's unpaired rows (a desirable and an undesirable completion).
 """
@@ -27,6 +29,29 @@ def arithmetic_sft(n: int, seed: int = 0, low: int = 10, high: int = 49, noise: 
         a, b = rng.randint(low, high), rng.randint(low, high)
         shown = a + b + (1 if rng.random() < noise else 0)
         rows.append({"prompt": f"{a}+{b}=", "completion": str(shown), "answer": str(a + b)})
+    return rows
+
+
+def calculator_products(n: int, seed: int = 0, skip_tool: float = 0.0) -> list[dict]:
+    """``{"prompt": "1234*56=", "answer": "69104", "messages": [...]}``: a product a tiny model cannot work out
+    but can read off the calculator. ``messages`` demonstrates the episode (user, the ``<calc>`` call, the
+    tool's answer, the answer copied); with probability ``skip_tool`` the demonstrator answers at once
+    without the tool, with a guess that keeps the leading digits (so SFT copies a habit RL can remove)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(100, 9999), rng.randint(10, 99)
+        prompt, answer = f"{a}*{b}=", str(a * b)
+        if rng.random() < skip_tool:
+            guess = answer[:2] + "".join(rng.choice(string.digits) for _ in answer[2:])
+            turns = [{"role": "assistant", "content": guess}]
+        else:
+            turns = [
+                {"role": "assistant", "content": f"<calc>{a}*{b}</calc>"},
+                {"role": "tool", "content": answer},
+                {"role": "assistant", "content": answer},
+            ]
+        rows.append({"prompt": prompt, "answer": answer, "messages": [{"role": "user", "content": prompt}, *turns]})
     return rows
 
 

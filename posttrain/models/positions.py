@@ -10,10 +10,9 @@ positions alone the queries, attention, output projection and MLP. The result at
 positions is the full forward's up to float rounding; elsewhere the layer passes its input through
 (never read).
 
-What that saves is about (share of the last layer) × (share of positions not read). A reward
-model's forward + backward over 8 rows of 99 tokens (two read positions per row) took 0.58× the time with
-2 layers and 0.85× with 6 (measured, CPU, issue 13); for 24 layers ~4 % is the estimate. The saving
-is work removed, not an approximation.
+What that saves is about (share of the last layer) × (share of positions not read): much for a model
+of few layers, little for a deep one (docs/benchmarks.md gives the times measured on a reward model's
+pass). The saving is work removed, not an approximation.
 
 Used for Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3: pre-norm attention with
 q/k/v/o projections and rotary embeddings, then a pre-norm MLP), verified once per model by a probe

@@ -456,7 +456,7 @@ def adapter_base(path: str) -> str:
 
 def is_peft_model(model: nn.Module) -> bool:
     """Whether ``model`` is a peft ``PeftModel``. Without importing peft: a PeftModel exists only once
-    peft has been imported, and importing it only to answer no costs ~10 MiB of peak RSS (issue 13)."""
+    peft has been imported, and importing it only to answer no costs peak memory (bench/README.md)."""
     peft_model = getattr(sys.modules.get("peft"), "PeftModel", None)
     return peft_model is not None and isinstance(model, peft_model)
 

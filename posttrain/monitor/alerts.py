@@ -148,7 +148,7 @@ class History:
     A rule needs the last ``window`` finite values of a metric, how many there were, the first window
     of them (entropy), the latest record, and for rule 7 the best and the latest held-out score with the
     training reward around each. Keeping exactly that, a step's check costs the same at step 10 and at
-    step 100,000 (a list of every record, rescanned by every rule, cost 13 ms a step after 10,000 steps
+    step 100,000 (a list of every record, rescanned by every rule, cost more at every step, bench/README.md,
     and made a resume's replay of its records quadratic).
     """
 

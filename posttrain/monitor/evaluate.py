@@ -10,7 +10,9 @@ Two passes, each optional:
 
 PPO and GRPO call ``Evaluator.evaluate`` at step 0 (the starting model, ``eval.at_start``), every
 ``run.eval_every`` steps and at the end (metrics ``eval/greedy/*``, ``eval/sampled/*``; rows in
-``eval_samples.jsonl``); ``posttrain eval`` runs it on any checkpoint (``evaluate_checkpoint``).
+``eval_samples.jsonl``); ``posttrain eval`` runs it on any checkpoint (``evaluate_checkpoint``). With an
+``env`` each completion is an episode (``posttrain.envs.run_episodes``): the rewards read the model's last
+turn, and the tool calls and turns per episode are reported beside the accuracy.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from posttrain.data import DataConfig, PromptExample, check_columns, load_prompts
+from posttrain.envs import EnvConfig, Environment, environment_for, run_episodes, with_environment_reward
 from posttrain.models import ModelConfig, load_policy, load_tokenizer
 from posttrain.rewards import RewardComposer, RewardSpec, reward_columns, score_rollout
 from posttrain.rollout import RolloutConfig, SamplingParams, build_engine, choose_engine
@@ -120,10 +123,13 @@ class Evaluator:
         accelerator=None,
         tokenizer=None,
         progress: bool = False,
+        env: tuple[Environment, EnvConfig] | None = None,
     ):
         """``tokenizer``: writes each sample's texts with their special tokens too (``prompt_text``,
-        ``completion_text``); ``progress``: a progress bar over the generate calls (the main process's)."""
+        ``completion_text``); ``progress``: a progress bar over the generate calls (the main process's);
+        ``env``: (environment, its config) to evaluate episodes in (needs ``tokenizer``)."""
         self.config = config
+        self.env = env
         self.tokenizer = tokenizer
         self.progress = progress
         self.prompts = prompts[: config.max_prompts] if config.max_prompts else prompts
@@ -139,6 +145,7 @@ class Evaluator:
         """The evaluator of a PPO/GRPO run: ``config.eval.path`` when set, else ``eval_prompts`` (the
         ``data.eval_fraction`` split); None when there is nothing to evaluate on. Without ``eval.rewards``
         it scores with the training rewards: the reward functions and, in PPO, the reward model."""
+        env_config = getattr(config, "env", None)
         specs = list(config.eval.rewards or config.rewards)
         reward_model = getattr(config, "reward_model", None)
         if not config.eval.rewards and reward_model is not None and reward_model.path:
@@ -152,7 +159,9 @@ class Evaluator:
             check_columns(eval_prompts, reward_columns(specs), config.eval.path)
         if not eval_prompts:
             return None
-        # the policy tokenizer, as in training; no unscored-steps stop (an evaluation reports NaN scores)
+        # the policy tokenizer, as in training; no unscored-steps stop (an evaluation reports NaN scores); the
+        # environment's reward reads a column the episodes write
+        specs = with_environment_reward(specs, env_config)
         rewards = RewardComposer.from_specs(specs, tokenizer, max_unscored_steps=None)
         return cls(
             config.eval,
@@ -163,6 +172,7 @@ class Evaluator:
             accelerator,
             tokenizer,
             progress=getattr(config.run, "progress", False),
+            env=_with_config(environment_for(env_config, tokenizer), env_config),
         )
 
     def due(self, step: int, total_steps: int, every: int | None) -> bool:
@@ -231,12 +241,10 @@ class Evaluator:
                 engine.generate([self.prompts[0].prompt_ids], params, n=n)
                 continue
             prompts = [self.prompts[i] for i in chunk]
-            rollout = engine.generate([p.prompt_ids for p in prompts], params, n=n)
+            rollout, columns = self._sample(engine, prompts, params, n)
             bar.update(len(rollout))
             if self.failure is not None:  # generate on, in step with the other processes; score no more
                 continue
-            keys = sorted({k for p in prompts for k in p.columns})
-            columns = {k: [p.columns.get(k) for p in prompts for _ in range(n)] for k in keys}
             try:  # the arguments training gives (grpo._score, ppo.scores)
                 out = score_rollout(self.rewards, rollout, columns)
             except Exception as err:  # the composer's RewardError, a bad value, a function's own bug
@@ -264,6 +272,17 @@ class Evaluator:
                     records[-1].setdefault(key, values[row])
         bar.close()
         return records
+
+    def _sample(self, engine, prompts: list[PromptExample], params: SamplingParams, n: int):
+        """(rollout, its columns) of ``n`` completions, or episodes with an ``env``, per prompt."""
+        if self.env is not None:
+            env, env_config = self.env
+            rows = [{"prompt": p.prompt, **p.columns} for p in prompts]
+            rollout = run_episodes(engine, env, env_config, self.tokenizer, rows, params, n)
+            return rollout, rollout.columns
+        rollout = engine.generate([p.prompt_ids for p in prompts], params, n=n)
+        keys = sorted({k for p in prompts for k in p.columns})
+        return rollout, {k: [p.columns.get(k) for p in prompts for _ in range(n)] for k in keys}
 
     def _gather(self, records: list[dict]) -> list[dict]:
         if self.accelerator is None or self.accelerator.num_processes == 1:
@@ -296,6 +315,9 @@ def summarize(records: list[dict], ks: list[int]) -> dict[str, float]:
         out[prefix + "accuracy"] = sum(r["correct"] for r in rows) / len(rows)
         out[prefix + "length"] = sum(r["length"] for r in rows) / len(rows)
         out[prefix + "truncated_share"] = sum(r["truncated"] for r in rows) / len(rows)
+        if "tool_calls" in rows[0]:  # episodes
+            out[prefix + "tool_call_share"] = sum(r["tool_calls"] > 0 for r in rows) / len(rows)
+            out[prefix + "turns"] = sum(r["turns"] for r in rows) / len(rows)
         if mode == "sampled":
             per_prompt: dict[int, list[bool]] = {}
             for r in rows:
@@ -304,6 +326,10 @@ def summarize(records: list[dict], ks: list[int]) -> dict[str, float]:
                 values = [pass_at_k(len(c), sum(c), k) for c in per_prompt.values()]
                 out[prefix + f"pass@{k}"] = sum(values) / len(values)
     return out
+
+
+def _with_config(env: Environment | None, config: EnvConfig | None) -> tuple[Environment, EnvConfig] | None:
+    return None if env is None else (env, config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,6 +351,8 @@ class EvalRunConfig:
     """Greedy and/or sampled passes, k, temperature, threshold."""
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=256))
     """Sampling settings besides the temperature (max_new_tokens, top_p, top_k, stops)."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Evaluate episodes in this environment (the training run's ``env``); name=none: one completion."""
     output_dir: str | None = None
     """Folder for eval_summary.json and eval_samples.jsonl; null = print only."""
 
@@ -333,7 +361,8 @@ class EvalRunConfig:
         self.data.validate("data")
         self.eval.validate("eval")
         self.sampling.validate("sampling")
-        if not self.rewards:
+        self.env.validate("env")
+        if not self.rewards and not self.env.enabled:
             raise ValueError("rewards: at least one reward function is needed (--rewards or --reward-model)")
         for i, spec in enumerate(self.rewards):
             spec.validate(f"rewards[{i}]")
@@ -352,8 +381,10 @@ def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
     prompts, _ = load_prompts(config.data, tokenizer)
     check_columns(prompts, reward_columns(config.rewards), config.data.path)  # before the model loads
     model = load_policy(config.model)
-    rewards = RewardComposer.from_specs(config.rewards, tokenizer, max_unscored_steps=None)
-    evaluator = Evaluator(config.eval, prompts, rewards, config.sampling, config.output_dir, None, tokenizer, True)
+    specs = with_environment_reward(config.rewards, config.env)
+    rewards = RewardComposer.from_specs(specs, tokenizer, max_unscored_steps=None)
+    env = _with_config(environment_for(config.env, tokenizer), config.env)
+    evaluator = Evaluator(config.eval, prompts, rewards, config.sampling, config.output_dir, None, tokenizer, True, env)
     chosen, why = choose_engine(model)
     print(f"[eval] {len(evaluator.prompts)} prompts; rollout.engine=auto: {chosen} ({why})")
     engine = build_engine(RolloutConfig(engine="auto"), model, tokenizer, config.model.path, config.eval.seed)

@@ -2,9 +2,12 @@
 
 Plots are matplotlib figures written inline as SVG (nothing is fetched when the file is opened):
 training reward and held-out evaluation, KL, response length, entropy, clip fraction, value loss and
-explained variance, time per phase, with each run's alerts marked on the timeline; then the alerts
-with their causes and remedies, and sample completions at several steps with their scores. Several
-runs are overlaid, one colour each. A panel appears only when some run logged its metric.
+explained variance, time per phase, and a timeline of the alerts in steps; then the alerts with their
+causes and remedies, and sample completions at several steps with their scores. Several runs are
+overlaid, one colour each; where runs of different algorithms plot on different scales (GRPO's 0–1
+reward beside PPO's −5…10) each algorithm gets its own y-axis, one stacked subplot each, so that
+neither curve is flattened. An alert is marked on the curves of the run that raised it only. A panel
+appears only when some run logged its metric.
 
 A small inline script checks on load that every plot rendered (a non-empty SVG with drawn marks) and
 records it, and any script error, on ``<body data-plots="ok/total" data-errors="n">``: the headless
@@ -16,6 +19,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +38,9 @@ PANELS = (
     ("Explained variance", ["values/explained_variance"], "1 − Var(R−V)/Var(R)"),
     ("Loss", ["loss", "eval/loss"], "loss"),
 )
+# runs of different algorithms get one y-axis each when one algorithm's values would fill less than this
+# share of the height of an axis they shared
+FLATTENED = 0.25
 
 
 @dataclass
@@ -102,31 +109,98 @@ def _series(run: Run, key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in points], [v for _, v in points]
 
 
-def _panel(title: str, keys: list[str], ylabel: str, runs: list[Run], colors) -> str | None:
-    import matplotlib.pyplot as plt
+def _algorithm(run: Run):
+    """What tells runs of one algorithm from another's: the sections and knobs of the config (each
+    trainer's config class has its own set; GRPO's presets and DPO's loss types only change values).
+    A run without config.yaml counts as an algorithm of its own."""
+    return frozenset(run.config) if run.config else str(run.path)
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
-    drawn = False
+
+def _value_range(runs: list[Run], keys: list[str]) -> tuple[float, float]:
+    """(lowest, highest) finite value of ``keys`` over ``runs``; (inf, -inf) when none is finite."""
+    values = [v for run in runs for key in keys for v in _series(run, key)[1] if math.isfinite(v)]
+    return (min(values), max(values)) if values else (math.inf, -math.inf)
+
+
+def _axis_groups(runs: list[Run], keys: list[str]) -> list[list[Run]]:
+    """The runs that logged ``keys``, one list per y-axis: one per algorithm where an algorithm's values
+    would fill less than ``FLATTENED`` of a shared axis's height, else all on one axis."""
+    plotted = [run for run in runs if any(_series(run, key)[0] for key in keys)]
+    by_algorithm: dict = {}
+    for run in plotted:
+        by_algorithm.setdefault(_algorithm(run), []).append(run)
+    groups = list(by_algorithm.values())
+    ranges = [r for r in (_value_range(group, keys) for group in groups) if r[0] <= r[1]]
+    if len(groups) < 2 or not ranges:
+        return [plotted] if plotted else []
+    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    flattened = high > low and any(top - bottom < FLATTENED * (high - low) for bottom, top in ranges)
+    return groups if flattened else [plotted]
+
+
+def _at_steps(steps: list[int], values: list[float], wanted: list[int]) -> list[float]:
+    """The curve (``steps``, ``values``) read at the ``wanted`` steps, each inside its span (linear
+    between logged steps: an alert's step need not be one the metric was logged at)."""
+    import numpy as np
+
+    return [float(v) for v in np.interp(wanted, steps, values)]
+
+
+def _plot_run(ax, run: Run, keys: list[str], color) -> None:
+    """``run``'s curves of ``keys`` on ``ax`` (one line style per key), and its alerts as markers on its
+    first curve: on this run's curve only, so that an alert is never read as another run's."""
     styles = ["-", "--", ":", "-."]
-    for color, run in zip(colors, runs, strict=True):
-        for style, key in zip(styles, keys, strict=False):
-            steps, values = _series(run, key)
-            if not steps:
-                continue
-            marker = "o" if len(steps) < 30 else None
-            ax.plot(steps, values, style, color=color, marker=marker, markersize=3, label=f"{run.name}: {key}")
-            drawn = True
-        for alert in run.alerts:  # alerts on the timeline of every panel
-            ax.axvline(alert["step"], color=color, alpha=0.35, linewidth=1)
-    if not drawn:
-        plt.close(fig)
+    curves = [(style, key, *_series(run, key)) for style, key in zip(styles, keys, strict=False)]
+    curves = [curve for curve in curves if curve[2]]
+    for style, key, steps, values in curves:
+        marker = "o" if len(steps) < 30 else None
+        ax.plot(steps, values, style, color=color, marker=marker, markersize=3, label=f"{run.name}: {key}")
+    if not run.alerts or not curves:
+        return
+    _, _, steps, values = curves[0]
+    alerts = [a for a in run.alerts if steps[0] <= a["step"] <= steps[-1]]  # where this curve was drawn
+    if not alerts:
+        return
+    xs = [a["step"] for a in alerts]
+    ys = _at_steps(steps, values, xs)
+    (markers,) = ax.plot(xs, ys, "X", color=color, markeredgecolor="black", markersize=8, label=f"{run.name}: alert")
+    markers.set_gid(f"alerts-of-{run.name}")  # named in the SVG: the report test finds it
+    for alert, x, y in zip(alerts, xs, ys, strict=True):
+        ax.annotate(str(alert["id"]), (x, y), textcoords="offset points", xytext=(0, 7), fontsize=7, ha="center")
+
+
+def _panel_figure(title: str, keys: list[str], ylabel: str, runs: list[Run], colors):
+    """The matplotlib figure of one panel, or None when no run logged ``keys``: one subplot per y-axis
+    (``_axis_groups``), stacked over one step axis."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    groups = _axis_groups(runs, keys)
+    if not groups:
         return None
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return _svg(fig)
+    color_of = {id(run): color for run, color in zip(runs, colors, strict=True)}
+    height = 3.2 if len(groups) == 1 else 0.8 + 2.2 * len(groups)
+    layout = None if len(groups) == 1 else "constrained"  # keeps the shared label clear of the axes' own
+    fig, axes = plt.subplots(len(groups), 1, figsize=(6.4, height), sharex=True, squeeze=False, layout=layout)
+    for ax, group in zip(axes[:, 0], groups, strict=True):
+        for run in group:
+            _plot_run(ax, run, keys, color_of[id(run)])
+        # one axis: the quantity; stacked axes: each says whose it is, the quantity is said once beside them
+        ax.set_ylabel(ylabel if len(groups) == 1 else ", ".join(run.name for run in group))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(groups) > 1:
+        fig.align_ylabels(axes[:, 0])
+        fig.supylabel(ylabel, fontsize=10)
+    axes[0, 0].set_title(title)
+    axes[-1, 0].set_xlabel("step")
+    return fig
+
+
+def _panel(title: str, keys: list[str], ylabel: str, runs: list[Run], colors) -> str | None:
+    fig = _panel_figure(title, keys, ylabel, runs, colors)
+    return None if fig is None else _svg(fig)
 
 
 def _phase_panel(runs: list[Run]) -> str | None:
@@ -151,8 +225,11 @@ def _phase_panel(runs: list[Run]) -> str | None:
     return _svg(fig)
 
 
-def _alert_panel(runs: list[Run], colors) -> str | None:
+def _alert_figure(runs: list[Run], colors):
+    """The alerts of each run on one row, over the steps the runs logged (whole steps on the x-axis), or
+    None when no run raised one."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     if not any(run.alerts for run in runs):
         return None
@@ -161,11 +238,21 @@ def _alert_panel(runs: list[Run], colors) -> str | None:
         for alert in run.alerts:
             ax.scatter(alert["step"], row, color=color, s=40)
             ax.annotate(str(alert["id"]), (alert["step"], row), textcoords="offset points", xytext=(0, 6), fontsize=7)
+    steps = [r["step"] for run in runs for r in run.records if "step" in r]
+    steps += [a["step"] for run in runs for a in run.alerts]
+    margin = max(1.0, 0.02 * (max(steps) - min(steps)))
+    ax.set_xlim(min(steps) - margin, max(steps) + margin)  # the runs' span, not only the alerts'
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_yticks(range(len(runs)), [run.name for run in runs], fontsize=8)
     ax.set_ylim(-0.6, len(runs) - 0.4)
     ax.set_xlabel("step")
     ax.set_title("Alerts (numbered as in the table below)")
-    return _svg(fig)
+    return fig
+
+
+def _alert_panel(runs: list[Run], colors) -> str | None:
+    fig = _alert_figure(runs, colors)
+    return None if fig is None else _svg(fig)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,6 +281,22 @@ def _pick_steps(steps: list[int], count: int) -> list[int]:
     return sorted({steps[round(i * (len(steps) - 1) / (count - 1))] for i in range(count)})
 
 
+def _completion(sample: dict) -> str:
+    """The completion, or an episode's turns after its prompt: the model's in bold, the environment's as they
+    came back (``role: text``), and how it ended."""
+    episode = sample.get("episode")
+    if not episode:
+        return f"<pre>{html.escape(sample['completion'])}</pre>"
+    first = next((i for i, m in enumerate(episode) if m["role"] == "assistant"), len(episode))
+    turns = [
+        f"<b>{html.escape(m['content'])}</b>"
+        if m["role"] == "assistant"
+        else f"{m['role']}: {html.escape(m['content'])}"
+        for m in episode[first:]
+    ]
+    return f"<pre>{chr(10).join(turns)}</pre><small>end: {html.escape(str(sample.get('end', '')))}</small>"
+
+
 def _sample_table(samples: list[dict], per_step: int = 4, steps: int = 4) -> str:
     if not samples:
         return "<p>No samples were logged.</p>"
@@ -205,7 +308,7 @@ def _sample_table(samples: list[dict], per_step: int = 4, steps: int = 4) -> str
             mode = f" ({s['mode']})" if "mode" in s else ""
             rows.append(
                 f"<tr><td>{step}{mode}</td><td><pre>{html.escape(s['prompt'])}</pre></td>"
-                f"<td><pre>{html.escape(s['completion'])}</pre></td>"
+                f"<td>{_completion(s)}</td>"
                 f"<td>{'—' if score is None else f'{score:.3g}'}</td></tr>"
             )
     head = "<tr><th>step</th><th>prompt</th><th>completion</th><th>score</th></tr>"

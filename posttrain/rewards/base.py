@@ -342,9 +342,8 @@ class _InlineThread:
 
     Not a thread per call: when a thread that ran torch ops ends, MKL releases its buffers and those of
     its OpenMP worker, and a worker forked in that moment for the next reward function (isolation:
-    process) can inherit MKL's allocator mid-update and spin in ``mkl_serv_allocate`` forever. Measured:
-    with a thread per call, a hang by the 2nd to 15th call; none with a pause before each fork, and none
-    in 200 calls with this one thread."""
+    process) can inherit MKL's allocator mid-update and spin in ``mkl_serv_allocate`` forever: a thread
+    per call hung that way within a few calls, this one thread never (docs/reliability.md)."""
 
     def __init__(self):
         self.calls: queue.SimpleQueue = queue.SimpleQueue()

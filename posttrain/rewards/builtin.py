@@ -8,6 +8,12 @@ def exact_answer(prompts, completions, answer, **columns) -> list[float | None]:
     return [None if a is None else float(c.strip() == str(a).strip()) for c, a in zip(completions, answer, strict=True)]
 
 
+def environment_reward(prompts, completions, environment_reward, **columns) -> list[float | None]:
+    """The episode's reward from its environment (``env``: the per-turn rewards summed or discounted), None
+    where the environment scored none of its turns. Added to the reward functions of every run with an env."""
+    return [None if r is None else float(r) for r in environment_reward]
+
+
 def starts_with_answer(prompts, completions, answer, **columns) -> list[float | None]:
     """1.0 when the completion starts with the answer's digits and stops there; 0.1 for other digits; else 0.
 

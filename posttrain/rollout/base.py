@@ -68,6 +68,8 @@ class Rollout:
     temperature: float = 1.0  # τ the log-probs were taken at
     columns: dict[str, list] = field(default_factory=dict)  # the prompt rows' other columns ("answer"), [B] each
     version: torch.Tensor | None = None  # [B] long, the policy version (trainer steps done) that drew each row
+    sampled_mask: torch.Tensor | None = None  # [B, T] long, 1 on the tokens the policy sampled; None = all of
+    # response_mask. Episodes (posttrain.envs) hold the environment's tokens too: in response_mask, not in this
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -80,13 +82,19 @@ class Rollout:
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
 
     @property
+    def action_mask(self) -> torch.Tensor:
+        """[B, T] the tokens every loss and statistic counts: those the policy sampled (``sampled_mask``), or
+        the whole response when every response token was sampled (one turn)."""
+        return self.response_mask if self.sampled_mask is None else self.sampled_mask
+
+    @property
     def response_length(self) -> int:
         return self.response_ids.shape[1]
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        """[B] number of valid response tokens."""
-        return self.response_mask.sum(dim=1)
+        """[B] number of tokens the policy sampled (an episode's environment tokens are not counted)."""
+        return self.action_mask.sum(dim=1)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -108,6 +116,7 @@ class Rollout:
             temperature=self.temperature,
             columns={k: [v[i] for i in rows] for k, v in self.columns.items()},
             version=None if self.version is None else self.version[index.to(self.version.device)],
+            sampled_mask=None if self.sampled_mask is None else self.sampled_mask[index],
         )
 
     def texts(self, tokenizer, row: int) -> tuple[str, str]:
@@ -185,6 +194,9 @@ def concat_rollouts(rollouts: list[Rollout], pad_id: int) -> Rollout:
         temperature=rollouts[0].temperature,
         columns={k: [x for r in rollouts for x in r.columns.get(k, [None] * len(r))] for k in keys},
         version=torch.cat([r.version for r in rollouts]) if all(r.version is not None for r in rollouts) else None,
+        sampled_mask=None
+        if all(r.sampled_mask is None for r in rollouts)
+        else torch.cat([pad(r.action_mask, T, 0, False) for r in rollouts]),
     )
 
 

@@ -58,7 +58,7 @@ def draw(
     is the policy's, not the sampler's.
     """
     scaled = logits / params.logprob_temperature if params.logprob_temperature != 1.0 else logits
-    log_p = torch.log_softmax(scaled, dim=-1)  # one kernel: ~5x faster on [16, 100] than scaled - logsumexp
+    log_p = torch.log_softmax(scaled, dim=-1)  # one kernel, not scaled - logsumexp (bench/README.md)
     if params.temperature == 0:
         allowed = log_p.index_fill(1, forbid, -torch.inf) if forbid is not None else log_p
         tokens = allowed.argmax(dim=-1)
@@ -94,7 +94,7 @@ class LeanEngine(HFEngine):
         prompt_ids, prompt_mask = left_pad([list(p) for p in prompts], self.tokenizer.pad_token_id)
         written_out = _written_out(self.model)
         # eval mode for the prefill (the model's forward); where that changes nothing, the two walks over
-        # every module (transformers' train(), ~0.3 ms each on the bench model) are skipped
+        # every module (transformers' train(): bench/README.md) are skipped
         toggle = self.model.training and not (written_out and _mode_free(self.model))
         if toggle:
             self.model.eval()
@@ -263,7 +263,8 @@ class _LlamaDecoder(_ModelDecoder):
     prompt is padded. The prefill is the model's forward (exact for any padding); its cache is copied
     into the buffers. The weights are the model's own tensors (concatenated copies for the fused
     matmuls), gathered with every other number a step needs once per ``generate``: a step then reads
-    no module attribute (a decode step of the 2-layer bench model spent ~15 % of its time in Python)."""
+    no module attribute (reading them, a decode step of the 2-layer bench model spent a share of its time
+    in Python: bench/README.md)."""
 
     def __init__(self, model: nn.Module, max_length: int):
         super().__init__(model)
@@ -340,7 +341,7 @@ class _LlamaDecoder(_ModelDecoder):
             )
             x = _add_linear(x, out.view(b, h * d), *o_proj)
             # the MLP feature-major ([2I, b] = W·xᵀ): with b ~ 16 rows, MKL splits W's rows over its
-            # threads, ~1.4-1.9x the speed of x·Wᵀ at 2 threads and level at 1 (bench/README.md)
+            # threads, faster than x·Wᵀ at 2 threads and level at 1 (bench/README.md)
             normed = F.rms_norm(x, width, *norm2).t()
             gate_up = w_gate_up @ normed if b_gate_up is None else torch.addmm(b_gate_up, w_gate_up, normed)
             gate, up = gate_up.chunk(2, 0)  # [I, b] each

@@ -104,8 +104,8 @@ class RunConfig:
     """accelerate mixed precision: no, bf16 or fp16."""
     keep_freed_memory: bool = True
     """Keep the CPU memory a step frees in the process's heap for the next step (glibc's ``mallopt``; Linux)
-    instead of handing it back to the OS, which gives it again as fresh pages, one page fault each. Measured
-    on the tiny bench models: 5–8 % of a step's time, peak RSS unchanged (bench/README.md). It applies to
+    instead of handing it back to the OS, which gives it again as fresh pages, one page fault each: time
+    saved on the tiny bench models, peak RSS unchanged (bench/README.md has the figures). It applies to
     the whole process for the rest of its life, and not when the environment sets glibc's malloc options
     or preloads another allocator (``engines.keep_freed_memory``); what it holds goes back to the OS when
     the run ends. false leaves the allocator as it is."""
@@ -425,9 +425,12 @@ def _yaml_error(path, err: yaml.YAMLError) -> str:
 def with_presets(cls):
     """Class decorator for a config with ``PRESETS`` ({name: {field: value}}) and a ``preset`` field:
     ``cls(preset=name, ...)`` takes the preset's value for every field of the preset that the
-    constructor was not given; the ones given win. YAML files, ``key=value`` overrides (``from_dict``
-    passes only the keys set) and Python construct the config alike, so all three resolve a preset the
-    same way and ``dataclasses.replace`` (every field given) keeps the values resolved."""
+    constructor was not given; a number or switch given wins (the run prints it as overridden). A choice
+    given (a string: ``policy_loss``, ``loss_agg``, ...) must be the preset's own: another one would be
+    another method under the preset's name and numbers (``preset=gspo policy_loss=cispo``: CISPO with GSPO's
+    3e-4 clip range), so it fails here, naming both fields (``preset_conflict``). YAML files, ``key=value``
+    overrides (``from_dict`` passes only the keys set) and Python construct the config alike, so all three
+    resolve a preset the same way and ``dataclasses.replace`` (every field given) keeps the values resolved."""
     init = cls.__init__
     names = [f.name for f in dataclasses.fields(cls)]
 
@@ -440,9 +443,23 @@ def with_presets(cls):
             for key, value in cls.PRESETS[self.preset].items():
                 if key not in given:
                     setattr(self, key, value)
+                elif isinstance(value, str) and getattr(self, key) != value:
+                    raise ValueError(preset_conflict(cls.PRESETS, self.preset, key, getattr(self, key)))
 
     cls.__init__ = __init__
     return cls
+
+
+def preset_conflict(presets: dict[str, dict], preset: str, key: str, value) -> str:
+    """The message for a choice ``key=value`` given with a ``preset`` that sets ``key`` to another: both
+    fields, and what is allowed (the preset's value or nothing, the presets whose choice it is, preset=none)."""
+    others = [name for name, knobs in presets.items() if knobs.get(key) == value]
+    instead = f"preset={' or preset='.join(others)} (which choose {key}={value}), " if others else ""
+    return (
+        f"preset={preset} sets {key}={presets[preset][key]}, but {key}={value} was given too: a preset's choices "
+        f"are its method, only its numbers may be changed. Allowed: {key}={presets[preset][key]} or leave {key} "
+        f"unset; {instead}or preset=none and each knob set by hand"
+    )
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -128,9 +128,9 @@ def keep_freed_memory() -> bool:
     glibc serves a block larger than its mmap threshold (128 KiB, raised as such blocks are freed, at
     most to 32 MiB) with a fresh ``mmap`` and unmaps it when freed, and gives the heap's top back to the
     OS when more than the trim threshold is free there. A training step frees and reallocates the same
-    activation-sized tensors every step, so the OS hands them back as new zero-filled pages: ~1,370
-    page faults per step on the tiny GRPO bench (``/usr/bin/time -v``), 12 with the thresholds fixed
-    at 32 MiB (mmap) and 1 GiB (trim). Peak RSS stays: the heap holds no more than the step's own peak.
+    activation-sized tensors every step, so the OS hands them back as new zero-filled pages: page faults
+    at every step, nearly none with the thresholds fixed at 32 MiB (mmap) and 1 GiB (trim)
+    (bench/README.md counts them). Peak RSS stays: the heap holds no more than the step's own peak.
     Fixing the thresholds also turns glibc's dynamic adjustment off. Process-wide, for the rest of the
     process, and idempotent. The cost: memory freed after a peak (up to the trim threshold) stays with
     the process until it reuses it, or until the run ends (``release_freed_memory``).

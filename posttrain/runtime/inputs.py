@@ -417,7 +417,8 @@ def cap_to_context(config) -> None:
     rows, saying so: a row longer than the positions a model was trained on is slow and meaningless.
 
     Offline trainers: prompt + completion <= context. Online trainers (with ``sampling``): prompt +
-    ``sampling.max_new_tokens`` <= context, so the prompt limit is context − max_new_tokens."""
+    ``sampling.max_new_tokens`` <= context, so the prompt limit is context − max_new_tokens; with an ``env``,
+    context − ``env.max_episode_tokens`` (an episode's turns and tool messages after its prompt)."""
     paths = [config.model.path] + [
         section.path
         for f in dataclasses.fields(config)
@@ -428,14 +429,16 @@ def cap_to_context(config) -> None:
         return
     context, data, notes = min(contexts), config.data, []
     sampling = vars(config).get("sampling")  # online trainers: prompts, then sampled responses
-    room = context
+    env = vars(config).get("env")
+    after = None
     if sampling is not None:
-        room = context - sampling.max_new_tokens
-        if room < 1:
-            raise ValueError(
-                f"sampling.max_new_tokens={sampling.max_new_tokens} leaves no room for a prompt in the "
-                f"model's context of {context} positions"
-            )
+        after = ("env.max_episode_tokens", env.max_episode_tokens) if env is not None and env.enabled else None
+        after = after or ("sampling.max_new_tokens", sampling.max_new_tokens)
+    room = context if after is None else context - after[1]
+    if room < 1:
+        raise ValueError(
+            f"{after[0]}={after[1]} leaves no room for a prompt in the model's context of {context} positions"
+        )
     changes = {}
     if sampling is None and (data.max_length is None or data.max_length > context):
         changes["max_length"] = context
@@ -447,8 +450,6 @@ def cap_to_context(config) -> None:
         notes.append(f"data.{key}={getattr(data, key)} capped at {value}")
     if notes:
         config.data = dataclasses.replace(data, **changes)
-        why = f"the model's context of {context} positions" + (
-            f" minus sampling.max_new_tokens={sampling.max_new_tokens}" if sampling is not None else ""
-        )
+        why = f"the model's context of {context} positions" + (f" minus {after[0]}={after[1]}" if after else "")
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"[posttrain] {'; '.join(notes)} ({why})", flush=True)

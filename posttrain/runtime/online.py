@@ -23,6 +23,7 @@ import torch
 
 from posttrain.core import aggregation_units, masked_importance_weights, masked_whiten, truncated_importance_weights
 from posttrain.data import PromptExample, check_columns, load_prompts, rendered
+from posttrain.envs import ENDS, EnvConfig, Environment, environment_for, run_episodes
 from posttrain.errors import UserError
 from posttrain.models import (
     Reference,
@@ -104,6 +105,7 @@ class OnlineTrainer:
             1, math.ceil(config.run.epochs * len(self.prompts) / prompts_per_step)
         )
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
+        self.env = start_environment(config, self.tokenizer, acc.print, self.name)
         # the training engine's batch sizes: micro-batches of a minibatch's rows on this process
         rows = self.local_prompts * config.num_generations // config.minibatches
         micro = min(config.run.micro_batch_size, rows)
@@ -156,6 +158,8 @@ class OnlineTrainer:
         """``sample``: ``n`` responses to each prompt from the current policy. Under ZeRO-3 and FSDP2 the
         policy's shards are gathered for the rollout and released after (``engines.full_parameters``)."""
         with engines.full_parameters(self.accelerator, self.actor.model):
+            if self.env is not None:
+                return sample_episodes(self.engine, self.policy, self.env, self.config, self.tokenizer, prompts, n)
             return sample(self.engine, self.policy, prompts, self.config.sampling, n)
 
     def next_rollout(self, step: int, count: int, n: int) -> tuple[Rollout | None, dict | None, dict]:
@@ -508,6 +512,50 @@ def sample(engine: RolloutEngine, policy, prompts: list[PromptExample], params: 
     return rollout, columns
 
 
+def check_episodes(config) -> None:
+    """What a run with ``env`` cannot combine with, refused at start."""
+    env = config.env
+    if not env.enabled:
+        return
+    if config.rollout.async_steps:
+        raise ValueError(
+            "env with rollout.async_steps >= 1: the asynchronous producer samples one turn per prompt; run episodes "
+            "synchronously (rollout.async_steps=0)"
+        )
+    if getattr(config, "overlong_buffer_fraction", 0.0) > 0:
+        raise ValueError(
+            "overlong_buffer_fraction > 0 with env: DAPO's overlong penalty measures one response against "
+            "sampling.max_new_tokens; an episode's budget is env.max_episode_tokens over several turns"
+        )
+    if config.sampling.max_new_tokens > env.max_episode_tokens:
+        raise ValueError(
+            f"sampling.max_new_tokens={config.sampling.max_new_tokens} (one turn) is more than "
+            f"env.max_episode_tokens={env.max_episode_tokens} (the whole episode after its prompt)"
+        )
+
+
+def start_environment(config, tokenizer, say, name: str) -> Environment | None:
+    """The environment of ``config.env`` (None without one), told the run's tokenizer; one line printed."""
+    env_config: EnvConfig | None = getattr(config, "env", None)
+    env = environment_for(env_config, tokenizer)
+    if env is None:
+        return None
+    say(
+        f"[{name}] episodes in env={env_config.name}: at most {env_config.max_turns} turns and "
+        f"{env_config.max_episode_tokens} tokens after the prompt; the environment's tokens are masked out of training"
+    )
+    return env
+
+
+def sample_episodes(engine: RolloutEngine, policy, env: Environment, config, tokenizer, prompts, n: int):
+    """A rollout of ``n`` episodes per prompt in ``env`` (``posttrain.envs.run_episodes``), and its columns
+    (the prompt rows' and the episodes': ``environment_reward``, turns, tool calls, ...)."""
+    rows = [{"prompt": p.prompt, **p.columns} for p in prompts]
+    with engine.generating(policy):
+        rollout = run_episodes(engine, env, config.env, tokenizer, rows, config.sampling, n)
+    return rollout, rollout.columns
+
+
 def write_samples(
     accelerator, output_dir, step: int, rollout: Rollout, scores: torch.Tensor, n: int, tokenizer=None
 ) -> None:
@@ -635,7 +683,7 @@ def old_logprobs_of(
     if rollout.logprobs is None:
         return old, None, {}
     tally = OffPolicyTally()  # the same gap and weight metrics as a one-pass update's, summed the same way
-    valid = rollout.response_mask.bool().to(old.device)
+    valid = rollout.action_mask.bool().to(old.device)
     weights = tally.weights(old, rollout.logprobs.to(old.device), valid, config)
     return old, weights, tally.result(accelerator, weights is not None)
 
@@ -711,7 +759,7 @@ def gather_whiten(accelerator, values: torch.Tensor, mask: torch.Tensor, shift_m
     """``core.masked_whiten`` with μ and σ over every process's rows, returned for this process's rows.
 
     values, mask: [B, T] (or [B] with a mask of ones). Rows of other processes are padded to one T.
-    In float64: the variance of float32 rewards of 1e20 or more overflows float32 (issue 10, item 1).
+    In float64: the variance of float32 rewards of 1e20 or more overflows float32.
     """
     dtype, values = values.dtype, values.double()
     if accelerator.num_processes == 1:
@@ -733,15 +781,44 @@ def global_min(accelerator, value: int) -> int:
 
 
 def response_metrics(accelerator, rollout: Rollout) -> dict[str, float]:
-    """Response length mean/min/max, share truncated and tokens generated, over all processes."""
+    """Response length mean/min/max (the tokens the policy sampled), share truncated and tokens generated,
+    over all processes; with episodes, ``episode_metrics`` too."""
     lengths = accelerator.gather(rollout.response_lengths.to(accelerator.device)).float()
     truncated = accelerator.gather(rollout.truncated.to(accelerator.device)).float()
-    return {
+    out = {
         "response_length/mean": float(lengths.mean()),
         "response_length/min": float(lengths.min()),
         "response_length/max": float(lengths.max()),
         "truncated_share": float(truncated.mean()),
         "tokens_generated": float(lengths.sum()),
+    }
+    if rollout.sampled_mask is not None:  # episodes
+        out.update(episode_metrics(accelerator, rollout))
+    return out
+
+
+def episode_metrics(accelerator, rollout: Rollout) -> dict[str, float]:
+    """Per episode, over all processes: turns, tool calls and tool errors (means), how episodes ended (the share
+    of each of ``posttrain.envs.ENDS``), environment tokens; the seconds ``env.step`` took, summed over the
+    episodes of a process (the largest process's sum)."""
+    columns = rollout.columns
+    per_episode = torch.tensor(
+        [
+            columns["turns"],
+            columns["tool_calls"],
+            columns["tool_errors"],
+            *([float(end == e) for end in columns["end"]] for e in ENDS),
+            (rollout.response_mask - rollout.action_mask).sum(1).tolist(),
+        ],
+        dtype=torch.float64,
+        device=accelerator.device,
+    )
+    means = accelerator.gather(per_episode.T.contiguous()).mean(0).tolist()
+    names = ["turns_mean", "tool_calls_mean", "tool_errors_mean", *(f"end_{e}_share" for e in ENDS), "env_tokens_mean"]
+    seconds = torch.tensor([sum(columns["env_seconds"])], dtype=torch.float64, device=accelerator.device)
+    return {
+        **{f"episode/{k}": v for k, v in zip(names, means, strict=True)},
+        "time/env": float(accelerator.gather(seconds).max()),
     }
 
 

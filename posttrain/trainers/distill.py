@@ -6,8 +6,9 @@ Machines, "On-Policy Distillation" and Yang et al. 2025, Qwen3 Technical Report,
 per-token reverse KL of the sampled tokens, as an advantage).
 
 Per step, for P prompts:
-  1. the student samples G responses per prompt, keeping the sampling log-probs (the "old" policy);
-     reward functions, when given, score them for the log only (never in the loss);
+  1. GKD's draw (``lmbda`` = λ): with probability λ the student samples G responses per prompt, keeping the
+     sampling log-probs (the "old" policy), and reward functions, when given, score them for the log only
+     (never in the loss); otherwise the batch is the data set's own completions of P·G prompts;
   2. the teacher scores every sampled token: log π_T(y_t), one no-grad pass in micro-batches
      (loss=jsd: in the update instead, from the teacher's whole distribution at each position);
   3. loss=reverse_kl: per-token advantages A_t = −(log π_old(y_t) − log π_T(y_t)), discount 0;
@@ -17,9 +18,9 @@ Per step, for P prompts:
      both reduced by ``loss_agg`` over the response tokens (prompt and padding never count);
   5. log (the per-token reverse KL, the teacher's log-prob of the sampled tokens); checkpoint.
 
-Departures from the papers: GKD's λ (a share of the batch from the data set's own responses) is not
-implemented: every response is the student's own (GKD's on-policy λ = 1). The teacher must share the
-student's tokenizer. Equations, knobs and tests: docs/algorithms/distill.md.
+Departures from the papers: GKD's third source of responses, the teacher's own samples, is not built;
+λ < 1 takes loss=jsd only. The teacher must share the student's tokenizer. Equations, knobs and tests:
+docs/algorithms/distill.md.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ from posttrain.core import (
     token_logprobs,
     vocab_kl,
 )
-from posttrain.data import DataConfig
+from posttrain.data import DataConfig, prompt_completions
 from posttrain.errors import UserError
 from posttrain.models import ModelConfig, load_policy, load_tokenizer, response_logits
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, score_rollout
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams
+from posttrain.rollout.base import build_rollout
 from posttrain.runtime import engines
 from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
@@ -62,6 +64,7 @@ from posttrain.runtime.online import (
     Optimized,
     StatsAccumulator,
     first_minibatch_metrics,
+    micro_slices,
     minibatches,
     old_logprobs_of,
     reference_logprobs,
@@ -81,7 +84,8 @@ class DistillConfig:
     teacher: ModelConfig = field(default_factory=ModelConfig)
     """The frozen teacher: another checkpoint (any size) with the student's tokenizer; loaded once."""
     data: DataConfig = field(default_factory=lambda: DataConfig(max_length=None, max_prompt_length=512))
-    """Prompt rows {"prompt", ...}; the other columns go to the reward functions, if any."""
+    """Prompt rows {"prompt", ...}; the other columns go to the reward functions, if any. With lmbda < 1 every
+    row needs a "completion" too: {"prompt", "completion"} rows, the data set's own responses."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, scheduler="constant"))
     """Optimizer and schedule of the student."""
     run: RunConfig = field(default_factory=RunConfig)
@@ -95,6 +99,10 @@ class DistillConfig:
     (Thinking Machines, Qwen3); jsd: GKD's generalized JSD_β over the vocabulary at each response token."""
     beta: float = 0.5
     """β of loss=jsd: M = β·π_T + (1 − β)·π_θ; 0 = forward KL(π_T‖π_θ), 1 = reverse KL(π_θ‖π_T) over the vocabulary."""
+    lmbda: float = 1.0
+    """GKD's λ, the student data fraction: each step trains, with probability λ, on the student's own samples
+    and otherwise on the data set's fixed completions (supervised KD). 1 = on-policy only; below 1 needs
+    loss=jsd. Each step's draw comes from run.seed alone (the same on every process and on resume)."""
     temperature: float | None = None
     """τ of the divergence: both models' logits / τ; null = sampling.temperature. loss=reverse_kl reads the
     sampled tokens' log-probs at the sampling temperature, so it takes null or sampling.temperature only."""
@@ -143,6 +151,14 @@ class DistillConfig:
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
         if not 0 <= self.beta <= 1:
             raise ValueError(f"beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got {self.beta}")
+        if not 0 <= self.lmbda <= 1:
+            raise ValueError(f"lmbda must be in [0, 1] (the share of steps on the student's samples), got {self.lmbda}")
+        if self.lmbda < 1 and self.loss == "reverse_kl":
+            raise ValueError(
+                f"lmbda={self.lmbda} trains some steps on the data set's completions, which the student did not "
+                "sample: loss=reverse_kl's per-token estimate of the KL holds on the student's own samples only; use "
+                "loss=jsd (GKD's divergence over the vocabulary holds at any prefix), or lmbda=1"
+            )
         if self.temperature is not None and self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 or null (= sampling.temperature), got {self.temperature}")
         if self.loss == "reverse_kl" and self.temperature not in (None, self.sampling.temperature):
@@ -211,6 +227,32 @@ def check_same_vocabulary(student, teacher, student_width: int, teacher_width: i
         )
 
 
+def gkd_on_policy_steps(lmbda: float, steps: int, seed: int) -> torch.Tensor:
+    """GKD's per-step choice of data (Agarwal et al. 2024, Algorithm 1): step k draws u_k ~ U(0, 1) and trains on
+    the student's own samples when u_k < λ, otherwise on the data set's (input, output) pairs. Returns [steps]
+    bool, True = on-policy. The draws come from a generator seeded by ``seed`` alone: every process and a
+    resumed run make the same choices. λ = 1 is every step on-policy, λ = 0 none."""
+    draws = torch.rand(steps, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return draws < lmbda
+
+
+def completions_rollout(
+    tokenizer, prompts: list[list[int]], completions: list[list[int]], sampling: SamplingParams
+) -> Rollout:
+    """A ``Rollout`` of given responses, one per prompt (token lists), in place of sampled ones: each cut at
+    ``sampling.max_new_tokens`` (and then ``truncated``, as a sample stopped there is), without sampling
+    log-probs, its log-probs to be taken at the sampling temperature."""
+    limit = sampling.max_new_tokens
+    kept = [c[:limit] for c in completions]
+    response_ids = torch.full((len(kept), max(map(len, kept))), tokenizer.pad_token_id, dtype=torch.long)
+    for i, ids in enumerate(kept):
+        response_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    ends = torch.tensor([len(ids) - 1 for ids in kept])  # each response ends at its last token
+    rollout = build_rollout(tokenizer, prompts, response_ids, [], ends, None, 1, sampling.logprob_temperature)
+    rollout.truncated = torch.tensor([len(c) > limit for c in completions])
+    return rollout
+
+
 def _vocab_size(config: ModelConfig) -> int:
     from transformers import AutoConfig
 
@@ -243,6 +285,9 @@ class DistillTrainer(OnlineTrainer):
     def __init__(self, config: DistillConfig):
         super().__init__(config)
         acc = self.accelerator
+        self.on_policy_steps = gkd_on_policy_steps(config.lmbda, self.total_steps, config.run.seed)
+        # GKD's supervised steps read each prompt row's completion: every row is checked before a model loads
+        self.completions = prompt_completions(self.prompts, config.data, self.tokenizer) if config.lmbda < 1 else None
         teacher_tokenizer = load_tokenizer(config.teacher.tokenizer_path or config.teacher.path)
         check_same_vocabulary(
             self.tokenizer,
@@ -272,20 +317,26 @@ class DistillTrainer(OnlineTrainer):
     def train_step(self, step: int, timer: PhaseTimer) -> tuple[dict, Rollout | None, torch.Tensor | None]:
         cfg, acc, device = self.config, self.accelerator, self.accelerator.device
         micro = cfg.run.micro_batch_size
-        # 1. the student samples G responses per prompt (rewards, if any, for the log)
+        # 1. GKD's draw: the student samples G responses per prompt (rewards, if any, for the log), or the
+        #    batch is the data set's completions
+        on_policy = bool(self.on_policy_steps[step])
         with timer("generate"):
-            prompts = self.sampler.take_for_process(self.local_prompts, self.prompts, acc)
-            rollout, columns = self.generate(prompts, cfg.num_generations)
-        metrics = {}
-        if self.rewards is not None:
+            rollout, columns = self.batch_of_step(on_policy)
+        metrics = {"distill/on_policy": float(on_policy)}
+        if self.rewards is not None and on_policy:
             with timer("reward"):
                 metrics.update(self.reward_metrics(rollout, columns))
         mask = rollout.response_mask.to(device)
         with timer("old_logprobs"):
-            old_logprobs, is_weights, mismatch = old_logprobs_of(
-                acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
-            )
-        metrics.update(mismatch)
+            if on_policy:
+                old_logprobs, is_weights, mismatch = old_logprobs_of(
+                    acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
+                )
+                metrics.update(mismatch)
+            else:  # no sampler drew these tokens: the student's log-probs of them, by the training forward
+                with torch.no_grad():
+                    old_logprobs = torch.cat([self.logprobs_of(rollout, s) for s in micro_slices(len(rollout), micro)])
+                is_weights = None
         # 2-3. the teacher scores every sampled token; reverse_kl: per-token advantages (jsd: in the update)
         teacher_logprobs = advantages = None
         if cfg.loss == "reverse_kl":
@@ -308,6 +359,22 @@ class DistillTrainer(OnlineTrainer):
         everyone = acc.gather(scores)  # one response per process still has a spread over the processes
         metrics["score/std"] = float(everyone.std()) if len(everyone) > 1 else 0.0
         return metrics, rollout, scores
+
+    def batch_of_step(self, on_policy: bool) -> tuple[Rollout, dict]:
+        """Step 1's batch and its columns: G samples of each of this process's next P prompts, or the data
+        set's completions of its next P·G prompts (one row each: the same number of rows)."""
+        cfg, acc = self.config, self.accelerator
+        if on_policy:
+            prompts = self.sampler.take_for_process(self.local_prompts, self.prompts, acc)
+            return self.generate(prompts, cfg.num_generations)
+        rows = self.sampler.take_for_process(self.local_prompts * cfg.num_generations, range(len(self.prompts)), acc)
+        prompts = [self.prompts[i] for i in rows]
+        rollout = completions_rollout(
+            self.tokenizer, [p.prompt_ids for p in prompts], [self.completions[i] for i in rows], cfg.sampling
+        )
+        keys = sorted({k for p in prompts for k in p.columns})
+        rollout.columns = {k: [p.columns.get(k) for p in prompts] for k in keys}
+        return rollout, rollout.columns
 
     def reward_metrics(self, rollout: Rollout, columns: dict) -> dict[str, float]:
         """reward/mean over the scored rows of every process (NaN when none was), and each function's mean."""

@@ -40,13 +40,11 @@ from posttrain.data import (
     SequenceBatch,
     collate_preferences,
     load_preferences,
-    rendered,
 )
 from posttrain.models import (
     ModelConfig,
     Reference,
     load_policy,
-    load_tokenizer,
     sequence_logprobs,
     shared_prefix_logprobs,
 )
@@ -58,15 +56,13 @@ from posttrain.runtime.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.runtime.inputs import check_inputs
 from posttrain.runtime.loop import (
     PhaseTimer,
     Trainable,
-    build_accelerator,
+    begin_offline,
     offline_reference,
     precompute_pass,
     run_offline,
-    split_train_eval,
 )
 from posttrain.runtime.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
 from posttrain.runtime.runlock import holds_run_dir
@@ -75,6 +71,7 @@ REFERENCE_MODES = ("auto", "copy", "adapter", "precompute", "none")
 IPO_LOGPS = ("sum", "mean")
 REFERENCE_FREE = ("simpo", "orpo")  # losses of the policy alone: no reference is loaded or run
 LOSS_TYPES = (*DPO_KINDS, *REFERENCE_FREE)
+DPO_BETA = 0.1  # β of sigmoid, ipo and hinge when unset: the DPO paper's and TRL's usual value
 
 
 @dataclass
@@ -89,9 +86,10 @@ class DPOConfig:
     """Optimizer and schedule."""
     run: RunConfig = field(default_factory=RunConfig)
     """Steps, batches, logging, checkpoints."""
-    beta: float = 0.1
-    """β: the strength of the implicit KL anchor to the reference; for simpo, the scale of its reward
-    (β/|y|)·log π(y|x) (the SimPO paper's settings use β of 2 and more); not used by orpo."""
+    beta: float | None = None
+    """β: the strength of the implicit KL anchor to the reference (null = 0.1, DPO's usual); for simpo, the
+    scale of its reward (β/|y|)·log π(y|x), required: the SimPO paper uses 2.0–2.5 with simpo_gamma ≈ β/2;
+    not used by orpo."""
     loss_type: str = "sigmoid"
     """sigmoid (DPO), ipo, hinge, or the reference-free simpo (SimPO) and orpo (ORPO)."""
     label_smoothing: float = 0.0
@@ -125,7 +123,7 @@ class DPOConfig:
         check_choice("reference", self.reference, REFERENCE_MODES)
         self._check_variant_knobs()
         check_shared_prefix(self.shared_prefix)
-        if self.beta <= 0:
+        if self.beta is not None and self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
@@ -141,6 +139,11 @@ class DPOConfig:
     def reference_free(self) -> bool:
         return self.loss_type in REFERENCE_FREE
 
+    @property
+    def beta_in_force(self) -> float:
+        """β of the loss: ``beta``, or DPO's 0.1 when unset (simpo refuses unset at start, orpo reads none)."""
+        return DPO_BETA if self.beta is None else self.beta
+
     def _check_variant_knobs(self) -> None:
         """Each loss's own knobs are refused with the others; simpo and orpo take no reference."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
@@ -149,7 +152,7 @@ class DPOConfig:
                 raise ValueError(f"{name} applies to loss_type={loss} only")
         if self.simpo_gamma < 0 or self.orpo_lambda < 0:
             raise ValueError(f"simpo_gamma and orpo_lambda must be >= 0, got {self.simpo_gamma}, {self.orpo_lambda}")
-        if self.loss_type == "orpo" and self.beta != defaults["beta"]:
+        if self.loss_type == "orpo" and self.beta is not None:
             raise ValueError("beta is not used by loss_type=orpo: orpo_lambda weighs its odds-ratio term")
         if self.reference_free and (self.reference not in ("auto", "none") or self.reference_path):
             raise ValueError(
@@ -159,6 +162,12 @@ class DPOConfig:
             )
         if not self.reference_free and self.reference == "none":
             raise ValueError(f"reference=none: loss_type={self.loss_type} needs a reference (simpo and orpo do not)")
+        if self.loss_type == "simpo" and self.beta is None:
+            raise ValueError(
+                f"loss_type=simpo needs beta set: its reward is (β/|y|)·log π(y|x), and DPO's β = {DPO_BETA} is 20 to "
+                "25 times below the SimPO paper's beta=2.0 to 2.5, used with simpo_gamma about beta/2 "
+                "(e.g. beta=2.0 simpo_gamma=1.0)"
+            )
 
 
 @dataclass
@@ -225,17 +234,24 @@ class DPOTask:
         with self.timer("reference"), self.reference.model_for_forward() as ref_model:
             return completion_logps(ref_model, sequences, self.average)
 
+    def store_reference(self, chunk: list[DPOExample], forward, device) -> None:
+        """Keep in each pair of ``chunk`` log π_ref of both responses, ``forward(sequences) -> [2B]`` (chosen,
+        then rejected): ``precompute_reference``'s step."""
+        ref_chosen, ref_rejected = forward(self.sequences([e.pair for e in chunk]).to(device)).cpu().chunk(2)
+        for e, c, r in zip(chunk, ref_chosen.tolist(), ref_rejected.tolist(), strict=True):
+            e.ref_chosen, e.ref_rejected = c, r
+
     def objective(self, chosen: torch.Tensor, rejected: torch.Tensor, batch: DPOBatch):
         """(losses [B], chosen_rewards [B], rejected_rewards [B]) of ``loss_type`` from the policy's log π(y|x)
         of the B chosen and B rejected responses (SimPO's rewards; ORPO's log odds)."""
         c = self.config
         if c.loss_type == "simpo":
-            return simpo_loss(chosen, rejected, c.beta, c.simpo_gamma)
+            return simpo_loss(chosen, rejected, c.beta_in_force, c.simpo_gamma)
         if c.loss_type == "orpo":
             return orpo_loss(chosen, rejected, c.orpo_lambda)
         ref_logps = batch.ref_logps if batch.ref_logps is not None else self.reference_logps(batch.sequences)
         ref_chosen, ref_rejected = ref_logps.chunk(2)
-        return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, c.beta, c.loss_type, c.label_smoothing)
+        return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, c.beta_in_force, c.loss_type, c.label_smoothing)
 
     def loss(self, model, batch: DPOBatch):
         logps = completion_logps(model, batch.sequences, self.average)
@@ -267,39 +283,32 @@ class DPOTask:
         return metrics
 
 
-def precompute_reference(
-    forward, examples: list[DPOExample], collate, micro_batch_size: int, device, show: bool = False
-) -> None:
-    """One pass over ``examples`` storing log π_ref of both responses in each; ``collate(pairs)`` lays
-    the pairs out (``DPOTask.sequences``), ``forward(sequences) -> [2B]`` (chosen, then rejected);
-    ``show``: a progress bar."""
-
-    def store(chunk: list[DPOExample]) -> None:
-        ref_chosen, ref_rejected = forward(collate([e.pair for e in chunk]).to(device)).cpu().chunk(2)
-        for e, c, r in zip(chunk, ref_chosen.tolist(), ref_rejected.tolist(), strict=True):
-            e.ref_chosen, e.ref_rejected = c, r
-
-    precompute_pass(examples, micro_batch_size, store, "[dpo] reference log-probs", show)
+def precompute_reference(task, policy, examples: list, config, accelerator, name: str) -> None:
+    """reference=precompute (DPO, KTO): one pass over ``examples`` (training and held-out) in which
+    ``task.store_reference(chunk, forward, device)`` keeps the reference's log-probs in each example, computed
+    by the separate reference model when one was built (``loop.offline_reference``), else by the starting
+    policy, which is the reference before any step; the reference is dropped after the pass."""
+    if task.reference is not None:
+        forward = task.reference_logps
+    else:
+        forward = partial(completion_logps, policy, average=task.average)
+    store = partial(task.store_reference, forward=forward, device=accelerator.device)
+    show = config.run.progress and accelerator.is_main_process
+    precompute_pass(examples, config.run.micro_batch_size, store, f"[{name}] reference log-probs", show)
+    task.reference = None
 
 
 @holds_run_dir  # the run folder stays locked until the run ends (runlock)
 def train(config: DPOConfig, callbacks=()) -> dict:
     """Train the policy with DPO; writes ``<run.output_dir>/final/policy``."""
-    config.validate()
-    check_inputs(config)
-    accelerator = build_accelerator(config.run)
-    torch.manual_seed(config.run.seed)
-    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
-    pairs, report = load_preferences(config.data, tokenizer)
-    accelerator.print(f"[dpo] data: {report.summary()}")
-    if pairs:
-        accelerator.print(
-            f"[dpo] the first prompt and chosen response as the model reads them: {rendered(tokenizer, pairs[0])}"
-        )
-    train_pairs, eval_pairs = split_train_eval(pairs, config.data.eval_fraction, config.run.seed)
-    train_examples, eval_examples = [DPOExample(p) for p in train_pairs], [DPOExample(p) for p in eval_pairs]
+    first = "the first prompt and chosen response as the model reads them"
+    start = begin_offline(config, "dpo", load_preferences, first)
+    train_examples = [DPOExample(p) for p in start.train_examples]
+    eval_examples = [DPOExample(p) for p in start.eval_examples]
+    start = replace(start, train_examples=train_examples, eval_examples=eval_examples)
+    accelerator = start.accelerator
     policy = load_policy(replace(config.model, device=str(accelerator.device)))
-    task = DPOTask(None, tokenizer.pad_token_id, config)
+    task = DPOTask(None, start.tokenizer.pad_token_id, config)
     if config.reference_free:
         accelerator.print(f"[dpo] loss_type={config.loss_type} is reference-free: no reference model is loaded")
     else:
@@ -307,31 +316,7 @@ def train(config: DPOConfig, callbacks=()) -> dict:
     # packed rows run through the policy and a separate reference model alike: both must take them
     models = [policy] + ([task.reference.model] if task.reference and task.reference.model is not None else [])
     task.shared = resolve_shared_prefix(config.shared_prefix, models, lambda line: accelerator.print(f"[dpo] {line}"))
-    if config.reference == "precompute":  # with no separate model, the starting policy is the reference
-        forward = (
-            task.reference_logps
-            if task.reference is not None
-            else partial(completion_logps, policy, average=task.average)
-        )
-        precompute_reference(
-            forward,
-            train_examples + eval_examples,
-            task.sequences,
-            config.run.micro_batch_size,
-            accelerator.device,
-            show=config.run.progress and accelerator.is_main_process,
-        )
-        task.reference = None
-    result = run_offline(
-        task,
-        Trainable(policy, {"policy": policy}),
-        train_examples,
-        eval_examples,
-        config,
-        tokenizer,
-        accelerator,
-        callbacks,
-        bar_keys=("loss", "rewards/accuracy"),
-    )
-    result["data_report"] = report.summary()
-    return result
+    if config.reference == "precompute":
+        precompute_reference(task, policy, train_examples + eval_examples, config, accelerator, "dpo")
+    bar_keys = ("loss", "rewards/accuracy")
+    return run_offline(task, Trainable(policy, {"policy": policy}), start, config, callbacks, bar_keys)

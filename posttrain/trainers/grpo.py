@@ -38,6 +38,7 @@ from posttrain.core import (
     shape_rewards,
 )
 from posttrain.data import DataConfig
+from posttrain.envs import EnvConfig, with_environment_reward
 from posttrain.models import ModelConfig, load_policy
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty, score_rollout
@@ -60,6 +61,7 @@ from posttrain.runtime.online import (
     Optimized,
     StatsAccumulator,
     advantage_metrics,
+    check_episodes,
     first_minibatch_metrics,
     gather_whiten,
     global_min,
@@ -147,7 +149,10 @@ class GRPOConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The engine that samples (hf | lean | vllm, colocate | server) and the sampler/trainer mismatch correction."""
     rewards: list[RewardSpec] = field(default_factory=list)
-    """Reward functions and weights: [{function: module:function, weight: 1.0, kwargs: {...}}]."""
+    """Reward functions and weights: [{function: module:function, weight: 1.0, kwargs: {...}}]. With an ``env``
+    they read the model's last turn as the completion, and the environment's own reward joins them."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes with a tool-giving environment (docs/algorithms/multi_turn.md); name=none: one turn."""
     num_generations: int = 8
     """G: responses sampled per prompt."""
     advantage_estimator: str = "grpo"
@@ -187,7 +192,8 @@ class GRPOConfig:
     reference: str = "auto"
     """auto (adapter-off for LoRA, else a frozen copy), copy or adapter."""
     preset: str = "none"
-    """grpo, dapo, dr_grpo, gspo or cispo: sets several knobs at once (printed at start); explicit settings win."""
+    """grpo, dapo, dr_grpo, gspo or cispo: sets several knobs at once (printed at start); an explicit number or
+    switch wins, a choice (policy_loss, loss_agg, ...) other than the preset's fails at start."""
     log_completions: int = 4
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
     max_unscored_steps: int = 3
@@ -213,7 +219,7 @@ class GRPOConfig:
                 "model.device": PLACED_BY_ACCELERATE,
             },
         )
-        if not self.rewards:
+        if not self.rewards and not self.env.enabled:
             raise ValueError("rewards: at least one reward function is needed ({function: module:function})")
         for i, spec in enumerate(self.rewards):
             spec.validate(f"rewards[{i}]")
@@ -252,6 +258,7 @@ class GRPOConfig:
                 "rollout.async_steps >= 1 with dynamic_sampling=true: dynamic sampling draws a varying number of "
                 "batches per step, the producer a fixed schedule of one per step; turn one of them off"
             )
+        check_episodes(self)
         if self.policy_loss == "gspo" and self.advantage_estimator == "reinforce++":
             raise ValueError(
                 "policy_loss=gspo clips one ratio per response by the response's one advantage; reinforce++ gives "
@@ -322,7 +329,10 @@ class GRPOTrainer(OnlineTrainer):
                 "prompt are identical, every group advantage is 0 and the policy does not learn; use a temperature > 0"
             )
         self.rewards = RewardComposer.from_specs(
-            config.rewards, self.tokenizer, config.max_unscored_steps, warn=self.console_warning
+            with_environment_reward(config.rewards, config.env),
+            self.tokenizer,
+            config.max_unscored_steps,
+            warn=self.console_warning,
         )
         policy = load_policy(replace(config.model, device="cpu"))
         self.reference = None
@@ -495,9 +505,9 @@ class GRPOTrainer(OnlineTrainer):
         return everyone[start : start + local]
 
     def loss_mask(self, rollout: Rollout, applicable: torch.Tensor) -> torch.Tensor:
-        """The response mask [B, T] without the rows no reward function scored and, with
+        """The mask of the sampled tokens [B, T] without the rows no reward function scored and, with
         ``mask_truncated``, without the responses cut at max_new_tokens."""
-        mask = rollout.response_mask.clone()
+        mask = rollout.action_mask.clone()
         if self.config.mask_truncated:
             mask[rollout.truncated] = 0
         mask[~applicable] = 0
@@ -604,7 +614,7 @@ class GRPOTrainer(OnlineTrainer):
         """The advantages of rows ``s`` times the importance weights π_old/π_behaviour, with π_old the
         update's own forward (``OffPolicyTally``); the KL to the reference tallied for the metrics."""
         cfg = self.config
-        valid = batch.rollout.response_mask[s].bool().to(old.device)  # as the separate pass: every sampled token
+        valid = batch.rollout.action_mask[s].bool().to(old.device)  # as the separate pass: every sampled token
         behaviour = batch.rollout.logprobs[s].to(old.device)
         weights = self.tally.weights(old, behaviour, valid, cfg.rollout)
         if batch.ref_logprobs is not None:

@@ -17,13 +17,12 @@ separate checkpoint, or its log-probs computed in one pass before training (``re
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 import torch
 
 from posttrain.core import kto_loss, kto_reference_point
-from posttrain.data import DataConfig, SequenceBatch, UnpairedExample, collate, load_unpaired, rendered
-from posttrain.models import ModelConfig, Reference, load_policy, load_tokenizer
+from posttrain.data import DataConfig, SequenceBatch, UnpairedExample, collate, load_unpaired
+from posttrain.models import ModelConfig, Reference, load_policy
 from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -32,19 +31,9 @@ from posttrain.runtime.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.runtime.inputs import check_inputs
-from posttrain.runtime.loop import (
-    PhaseTimer,
-    Trainable,
-    build_accelerator,
-    global_sum,
-    offline_reference,
-    precompute_pass,
-    run_offline,
-    split_train_eval,
-)
+from posttrain.runtime.loop import PhaseTimer, Trainable, begin_offline, global_sum, offline_reference, run_offline
 from posttrain.runtime.runlock import holds_run_dir
-from posttrain.trainers.dpo import completion_logps
+from posttrain.trainers.dpo import completion_logps, precompute_reference
 
 REFERENCE_MODES = ("auto", "copy", "adapter", "precompute")
 ADVISED_WEIGHT_RATIO = (1.0, 4 / 3)  # λ_D·n_D / (λ_U·n_U), the KTO paper's advice (§4.2)
@@ -143,6 +132,7 @@ def weight_report(examples: list[UnpairedExample], config: KTOConfig) -> str:
 class KTOTask:
     def __init__(self, reference: Reference | None, pad_id: int, config: KTOConfig):
         self.reference, self.pad_id, self.config = reference, pad_id, config
+        self.average = False  # r sums the completion's token log-probs (the paper's log π(y|x))
         self.kl: float | None = None  # the KL estimate of the current step (or evaluation), before the clamp
         self.z0: torch.Tensor | None = None  # kto_reference_point of it
         self.timer = PhaseTimer()  # the loop's, once training starts: the reference forwards are time/reference
@@ -163,6 +153,14 @@ class KTOTask:
     def reference_logps(self, sequences: SequenceBatch) -> torch.Tensor:
         with self.timer("reference"), self.reference.model_for_forward() as ref_model:
             return completion_logps(ref_model, sequences)
+
+    def store_reference(self, chunk: list[KTOExample], forward, device) -> None:
+        """Keep in each example of ``chunk`` log π_ref of its completion and of its mismatched pair,
+        ``forward(sequences) -> [B]`` (summed completion log-probs): ``dpo.precompute_reference``'s step."""
+        batch = self.collate(chunk).to(device)
+        ref, ref_kl = forward(batch.sequences).cpu(), forward(batch.kl_sequences).cpu()
+        for e, r, k in zip(chunk, ref.tolist(), ref_kl.tolist(), strict=True):
+            e.ref_logp, e.ref_kl_logp = r, k
 
     def begin_step(self, accelerator, model, batches: list[KTOBatch], counted: list[bool]) -> None:
         """z0 of the step: ``core.kto_reference_point`` over the mismatched pairs of every micro-batch of
@@ -229,56 +227,20 @@ class KTOTask:
         return metrics
 
 
-def precompute_reference(
-    forward, examples: list[KTOExample], collate_fn, micro_batch_size: int, device, show: bool = False
-) -> None:
-    """One pass over ``examples`` storing log π_ref of each completion and of each mismatched pair;
-    ``forward(sequences) -> [B]`` is the reference's summed completion log-probs; ``show``: a progress bar."""
-
-    def store(chunk: list[KTOExample]) -> None:
-        batch = collate_fn(chunk).to(device)
-        ref, ref_kl = forward(batch.sequences).cpu(), forward(batch.kl_sequences).cpu()
-        for e, r, k in zip(chunk, ref.tolist(), ref_kl.tolist(), strict=True):
-            e.ref_logp, e.ref_kl_logp = r, k
-
-    precompute_pass(examples, micro_batch_size, store, "[kto] reference log-probs", show)
-
-
 @holds_run_dir  # the run folder stays locked until the run ends (runlock)
 def train(config: KTOConfig, callbacks=()) -> dict:
     """Train the policy with KTO; writes ``<run.output_dir>/final/policy``."""
-    config.validate()
-    check_inputs(config)
-    accelerator = build_accelerator(config.run)
-    torch.manual_seed(config.run.seed)
-    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
-    rows, report = load_unpaired(config.data, tokenizer)
-    accelerator.print(f"[kto] data: {report.summary()}")
-    accelerator.print(f"[kto] the first prompt and completion as the model reads them: {rendered(tokenizer, rows[0])}")
-    accelerator.print(f"[kto] {weight_report(rows, config)}")
-    train_rows, eval_rows = split_train_eval(rows, config.data.eval_fraction, config.run.seed)
+    first = "the first prompt and completion as the model reads them"
+    start = begin_offline(config, "kto", load_unpaired, first)
+    accelerator, train_rows, eval_rows = start.accelerator, start.train_examples, start.eval_examples
+    accelerator.print(f"[kto] {weight_report(train_rows + eval_rows, config)}")
     max_length = config.data.max_length
     train_examples = mismatched_pairs(train_rows, config.run.seed, max_length)
     eval_examples = mismatched_pairs(eval_rows, config.run.seed + 1, max_length) if eval_rows else []
+    start = replace(start, train_examples=train_examples, eval_examples=eval_examples)
     policy = load_policy(replace(config.model, device=str(accelerator.device)))
-    task = KTOTask(None, tokenizer.pad_token_id, config)
+    task = KTOTask(None, start.tokenizer.pad_token_id, config)
     task.reference = offline_reference(config, policy, accelerator)
-    if config.reference == "precompute":  # with no separate model, the starting policy is the reference
-        forward = task.reference_logps if task.reference is not None else partial(completion_logps, policy)
-        examples = train_examples + eval_examples
-        show = config.run.progress and accelerator.is_main_process
-        precompute_reference(forward, examples, task.collate, config.run.micro_batch_size, accelerator.device, show)
-        task.reference = None
-    result = run_offline(
-        task,
-        Trainable(policy, {"policy": policy}),
-        train_examples,
-        eval_examples,
-        config,
-        tokenizer,
-        accelerator,
-        callbacks,
-        bar_keys=("loss", "kl"),
-    )
-    result["data_report"] = report.summary()
-    return result
+    if config.reference == "precompute":
+        precompute_reference(task, policy, train_examples + eval_examples, config, accelerator, "kto")
+    return run_offline(task, Trainable(policy, {"policy": policy}), start, config, callbacks, ("loss", "kl"))

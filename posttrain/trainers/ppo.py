@@ -41,6 +41,7 @@ from posttrain.core import (
     shape_rewards,
 )
 from posttrain.data import DataConfig
+from posttrain.envs import EnvConfig, with_environment_reward
 from posttrain.models import ModelConfig, check_reward_critic, load_policy, load_reward_model, sequence_scores
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, score_rollout
@@ -60,6 +61,7 @@ from posttrain.runtime.online import (
     OnlineTrainer,
     StatsAccumulator,
     advantage_metrics,
+    check_episodes,
     first_minibatch_metrics,
     gather_whiten,
     kl_metrics,
@@ -85,7 +87,10 @@ class PPOConfig:
     reward_model: ModelConfig | None = None
     """A frozen reward model (*ForSequenceClassification, num_labels=1) sharing the policy's tokenizer."""
     rewards: list[RewardSpec] = field(default_factory=list)
-    """Reward functions added to the reward model's score: [{function: module:function, weight: 1.0}]."""
+    """Reward functions added to the reward model's score: [{function: module:function, weight: 1.0}]. With an
+    ``env`` they read the model's last turn, and the environment's own reward joins them."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes with a tool-giving environment (docs/algorithms/multi_turn.md); name=none: one turn."""
     data: DataConfig = field(default_factory=lambda: DataConfig(max_length=None, max_prompt_length=512))
     """Prompt rows {"prompt", ...}."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, scheduler="constant"))
@@ -169,8 +174,9 @@ class PPOConfig:
                 "reward_model.device": "use reward_device (the reward model is frozen, so it may live anywhere)",
             },
         )
-        if self.reward_model is None and not self.rewards:
+        if self.reward_model is None and not self.rewards and not self.env.enabled:
             raise ValueError("a reward is needed: reward_model.path and/or rewards [{function: module:function}]")
+        check_episodes(self)
         for i, spec in enumerate(self.rewards):
             spec.validate(f"rewards[{i}]")
         if self.max_unscored_steps < 0:
@@ -221,9 +227,10 @@ class PPOTrainer(OnlineTrainer):
             reward_model = load_reward_model(replace(config.reward_model, device=device))
             self.reward_model = engines.prepare_frozen(acc, reward_model, config.reward_device)
         self.reward_functions = None
-        if config.rewards:  # with a reward model every sample is scored: no unscored-steps stop
+        specs = with_environment_reward(config.rewards, config.env)
+        if specs:  # with a reward model every sample is scored: no unscored-steps stop
             unscored = None if config.reward_model else config.max_unscored_steps
-            self.reward_functions = RewardComposer.from_specs(config.rewards, self.tokenizer, unscored)
+            self.reward_functions = RewardComposer.from_specs(specs, self.tokenizer, unscored)
         updates = self.total_steps * config.ppo_epochs * config.minibatches
         self.actor, self.critic = build_critic(acc, config, policy, updates)
         self.start_engine(policy)
@@ -236,7 +243,7 @@ class PPOTrainer(OnlineTrainer):
             rollout, columns, produced = self.next_rollout(step, self.local_prompts, cfg.num_generations)
         if rollout is None:  # a stale batch, dropped (rollout.on_stale=drop)
             return produced, None, None
-        mask = rollout.response_mask
+        mask = rollout.action_mask  # the tokens the policy sampled: an episode's environment tokens are not actions
         with timer("old_logprobs"):
             old_logprobs, is_weights, metrics = old_logprobs_of(
                 acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout

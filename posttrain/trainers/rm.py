@@ -32,7 +32,6 @@ from posttrain.data import (
     load_preferences,
     load_prompts,
     load_rankings,
-    rendered,
 )
 from posttrain.data.datasets import first_row
 from posttrain.models import (
@@ -54,8 +53,7 @@ from posttrain.runtime.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.runtime.inputs import check_inputs
-from posttrain.runtime.loop import Trainable, build_accelerator, run_offline, save_final, split_train_eval
+from posttrain.runtime.loop import Trainable, begin_offline, run_offline, save_final
 from posttrain.runtime.prefix import SharedPrefix, check_shared_prefix, resolve_shared_prefix
 from posttrain.runtime.runlock import holds_run_dir
 
@@ -212,18 +210,9 @@ def load_ranking_data(config: RMConfig, tokenizer):
 def train(config: RMConfig, callbacks=()) -> dict:
     """Train a reward model; writes ``<run.output_dir>/final/reward``: a *ForSequenceClassification, or with
     ``model.lora`` its adapter, which ``load_reward_model`` (AutoModelForSequenceClassification) loads."""
-    config.validate()
-    check_inputs(config)
-    accelerator = build_accelerator(config.run)
-    torch.manual_seed(config.run.seed)
-    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
-    examples, report = load_ranking_data(config, tokenizer)
-    accelerator.print(f"[rm] data: {report.summary()}")
-    if examples:
-        accelerator.print(
-            f"[rm] the first prompt and best response as the model reads them: {rendered(tokenizer, examples[0])}"
-        )
-    train_examples, eval_examples = split_train_eval(examples, config.data.eval_fraction, config.run.seed)
+    first = "the first prompt and best response as the model reads them"
+    start = begin_offline(config, "rm", lambda _, tokenizer: load_ranking_data(config, tokenizer), first)
+    accelerator, tokenizer = start.accelerator, start.tokenizer
     model = load_scalar_model(replace(config.model, device="cpu"), "reward")
     if config.model.lora is not None:  # saved as an adapter whose modules_to_save hold the trained score head
         from peft import LoraConfig, get_peft_model
@@ -239,18 +228,7 @@ def train(config: RMConfig, callbacks=()) -> dict:
     scorer = RewardScorer(model)  # trained through its forward: DDP synchronises its gradients
     shared = resolve_shared_prefix(config.shared_prefix, [model], lambda line: accelerator.print(f"[rm] {line}"))
     task = RMTask(tokenizer.pad_token_id, config.margin, config.center_coef, shared)
-    result = run_offline(
-        task,
-        Trainable(scorer, {"reward": scorer}),
-        train_examples,
-        eval_examples,
-        config,
-        tokenizer,
-        accelerator,
-        callbacks,
-        bar_keys=("loss", "accuracy"),
-    )
-    result["data_report"] = report.summary()
+    result = run_offline(task, Trainable(scorer, {"reward": scorer}), start, config, callbacks, ("loss", "accuracy"))
     if config.normalize_policy:
         result["normalization"] = normalize_reward(model, tokenizer, config, accelerator.device)
         save_final(accelerator, config.run.output_dir, {"reward": model}, tokenizer)

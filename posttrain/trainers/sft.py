@@ -10,16 +10,13 @@ example and attention stays inside it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass, field, replace
 
 from posttrain.core import masked_sum
-from posttrain.data import DataConfig, SequenceBatch, collate_packed, collate_sft, load_sft, pack_sft, rendered
-from posttrain.models import ModelConfig, load_policy, load_tokenizer, sequence_logprobs
+from posttrain.data import DataConfig, SequenceBatch, collate_packed, collate_sft, load_sft, pack_sft
+from posttrain.models import ModelConfig, load_policy, sequence_logprobs
 from posttrain.runtime.config import PLACED_BY_ACCELERATE, OptimConfig, RunConfig, reject_ignored, validate_sections
-from posttrain.runtime.inputs import check_inputs
-from posttrain.runtime.loop import Trainable, build_accelerator, run_offline, split_train_eval
+from posttrain.runtime.loop import Trainable, begin_offline, run_offline
 from posttrain.runtime.runlock import holds_run_dir
 
 
@@ -68,35 +65,16 @@ class SFTTask:
 @holds_run_dir  # the run folder stays locked until the run ends (runlock)
 def train(config: SFTConfig, callbacks=()) -> dict:
     """Fine-tune ``config.model`` on ``config.data``; writes ``<run.output_dir>/final/policy``."""
-    config.validate()
-    check_inputs(config)
-    accelerator = build_accelerator(config.run)
-    torch.manual_seed(config.run.seed)
-    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
-    examples, report = load_sft(config.data, tokenizer)
-    accelerator.print(f"[sft] data: {report.summary()}")
-    if examples:
-        accelerator.print(f"[sft] the first example as the model reads it: {rendered(tokenizer, examples[0])}")
-    train_examples, eval_examples = split_train_eval(examples, config.data.eval_fraction, config.run.seed)
+    start = begin_offline(config, "sft", load_sft, "the first example as the model reads it")
     if config.packing:
-        train_examples = pack_sft(train_examples, config.data.max_length)
-        eval_examples = pack_sft(eval_examples, config.data.max_length)
-        accelerator.print(f"[sft] packing: {len(examples)} examples into {len(train_examples)} training rows")
-    model_config = _on_cpu(config.model)
-    policy = load_policy(model_config)
-    task = SFTTask(tokenizer.pad_token_id, config.packing)
-    result = run_offline(
-        task,
-        Trainable(policy, {"policy": policy}),
-        train_examples,
-        eval_examples,
-        config,
-        tokenizer,
-        accelerator,
-        (*callbacks, *collapse_alerts(accelerator, config, policy)),
-    )
-    result["data_report"] = report.summary()
-    return result
+        examples, length = len(start.train_examples) + len(start.eval_examples), config.data.max_length
+        packed = pack_sft(start.train_examples, length)
+        start = replace(start, train_examples=packed, eval_examples=pack_sft(start.eval_examples, length))
+        start.accelerator.print(f"[sft] packing: {examples} examples into {len(packed)} training rows")
+    policy = load_policy(_on_cpu(config.model))
+    task = SFTTask(start.tokenizer.pad_token_id, config.packing)
+    callbacks = (*callbacks, *collapse_alerts(start.accelerator, config, policy))
+    return run_offline(task, Trainable(policy, {"policy": policy}), start, config, callbacks)
 
 
 def collapse_alerts(accelerator, config: SFTConfig, policy) -> list:
@@ -119,6 +97,4 @@ def collapse_alerts(accelerator, config: SFTConfig, policy) -> list:
 
 def _on_cpu(model_config: ModelConfig) -> ModelConfig:
     """Trained models load on the CPU; ``accelerator.prepare`` puts them on this process's device."""
-    from dataclasses import replace
-
     return replace(model_config, device="cpu")
