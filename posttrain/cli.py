@@ -238,7 +238,9 @@ def _run_eval(parser, args) -> int:
     except UserError as err:  # bad data (a column a reward function needs): one line
         parser.exit(2, f"posttrain eval: error: {err}\n")
     print(format_table(metrics, config.eval.correct_threshold))
-    print(json.dumps(metrics, indent=2))
+    from posttrain.monitor.records import strict_json
+
+    print(json.dumps(strict_json(metrics), indent=2))  # NaN (nothing scored) as null: valid JSON
     return 0
 
 

@@ -4,6 +4,7 @@ fail or hang, and GRPO / PPO training on episodes (the model's tokens only)."""
 import contextlib
 import importlib.util
 import json
+import math
 import time
 from pathlib import Path
 
@@ -249,7 +250,7 @@ def test_python_env_runs_the_block_in_the_sandbox_and_returns_its_output_or_its_
     out = env.step(state, "Let me compute.\n```python\nprint(1234 * 56)\n```")
     assert out.messages == [{"role": "tool", "content": "69104"}] and out.tool_errors == 0
     out = env.step(state, "```python\nwhile True:\n    pass\n```")
-    assert out.tool_errors == 1 and "timeout" in out.messages[0]["content"]
+    assert out.tool_errors == 1 and out.messages[0]["content"] == "error: the program did not finish within 2 s"
     assert env.step(state, "The answer is 69104.").done
 
 
@@ -372,9 +373,62 @@ def test_posttrain_eval_runs_episodes_and_reports_their_tools(tiny_dir, tmp_path
         ]
         + [f"sampling.stop_token_ids={list(range(4, 70))}"]
     )
-    summary = json.loads((tmp_path / "eval" / "eval_summary.json").read_text())
+    text = (tmp_path / "eval" / "eval_summary.json").read_text()
+    assert "NaN" not in text  # the environment's reward scored nothing: null, valid JSON
+    summary = json.loads(text)
     for mode in ("greedy", "sampled"):
         assert 1 < summary[f"eval/{mode}/turns"] <= 2 and summary[f"eval/{mode}/tool_call_share"] > 0
     assert "eval/sampled/pass@2" in summary
     records = [json.loads(line) for line in open(tmp_path / "eval" / "eval_samples.jsonl")]
     assert len(records) == 3 + 6 and all(r["episode"][0]["role"] == "user" for r in records)
+
+
+def test_environment_mistakes_fail_at_start_in_one_line(tiny_dir, tmp_path):
+    from posttrain.runtime.inputs import check_environment
+
+    (tmp_path / "envs.py").write_text(
+        "class NoStep:\n    tools = None\n    def __init__(self, config):\n        pass\n    def reset(self, row):\n"
+        "        return 'hi'\n\nclass NoConfig:\n    tools = None\n    def __init__(self):\n        pass\n\n"
+        "def untyped(a):\n    return a\n"
+    )
+    cases = {
+        f"env.name={tmp_path / 'envs.py'}:Missing": "has no class 'Missing'",
+        f"env.name={tmp_path / 'envs.py'}:NoStep": "NoStep lacks a step method",
+        f"env.name={tmp_path / 'envs.py'}:NoConfig": "constructor takes the run's EnvConfig",
+        f"env.tools=[{tmp_path / 'envs.py'}:untyped]": "untyped cannot be offered as a tool",
+    }
+    for override, message in cases.items():
+        extra = ["env.name=tools"] if override.startswith("env.tools") else []
+        config = _online("grpo", tiny_dir, tmp_path / "x", override, *extra)
+        with pytest.raises(ValueError, match=message):
+            check_environment(config)
+    with pytest.raises(ValueError, match="gives no reward of its own"):
+        _online("grpo", tiny_dir, tmp_path / "x", "env.name=calculator", "rewards=[]").validate()
+
+
+def test_a_reset_that_returns_no_messages_and_a_prompt_too_long_for_the_model_are_refused(tokenizer):
+    class Bad:
+        tools = None
+
+        def reset(self, row):
+            return "hi"
+
+    config = EnvConfig(name="calculator", max_episode_tokens=100)
+    with pytest.raises(ValueError, match="reset must return a list of chat messages"):
+        run_episodes(Scripted(tokenizer, []), Bad(), config, tokenizer, [{"prompt": "x"}], SamplingParams(), 1)
+    with pytest.raises(ValueError, match="does not fit the model's 120 positions"):
+        env = build_environment(config)
+        run_episodes(Scripted(tokenizer, []), env, config, tokenizer, [{"prompt": "y" * 30}], SamplingParams(), 1, 120)
+
+
+def test_the_environment_reward_listed_by_hand_is_taken_once(tiny_dir, tmp_path):
+    from posttrain.envs import ENVIRONMENT_REWARD, with_environment_reward
+    from posttrain.rewards import RewardSpec
+    from posttrain.trainers import grpo
+
+    config = _online("grpo", tiny_dir, tmp_path, f"rewards=[{{function: '{ENVIRONMENT_REWARD}'}}]")
+    assert len(with_environment_reward(config.rewards, config.env)) == 1
+    assert len(with_environment_reward([RewardSpec(function="m:f")], config.env)) == 2
+    grpo.train(config)  # no "missing column": the episodes write environment_reward
+    (record,) = read_metrics(tmp_path / "grpo")
+    assert math.isnan(record["reward/environment_reward/mean"])  # ToolEveryTurn scores nothing: null, not 0

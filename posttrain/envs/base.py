@@ -15,9 +15,12 @@ from typing import Any, Protocol
 ENVIRONMENTS = ("none", "calculator", "python", "tools")
 ON_TOOL_ERROR = ("observe", "stop")
 TURN_REWARDS = ("sum", "discount")
+UNSCORED = ("calculator", "python", "tools")
+"""The shipped environments: they give no reward of their own, the run's reward functions score the answer."""
 ENDS = ("model", "max_turns", "max_tokens", "tool_error")
 """How an episode ends: the model answered without a tool call; it was still calling tools after
-``max_turns`` turns; its token budget ran out (a turn cut without an end of turn); a tool failed with
+``max_turns`` turns; a turn was cut without an end of turn (at ``sampling.max_new_tokens``, one turn's
+limit, or at ``env.max_episode_tokens``, the episode's) or no room was left for another; a tool failed with
 ``on_tool_error=stop``."""
 
 
@@ -56,11 +59,9 @@ class EnvConfig:
     def validate(self, name: str = "env") -> None:
         if self.name not in ENVIRONMENTS and ":" not in self.name:
             raise ValueError(f"{name}.name must be one of {ENVIRONMENTS} or module:Class, got {self.name!r}")
-        if self.max_turns < 1 or self.max_episode_tokens < 1:
-            raise ValueError(
-                f"{name}.max_turns and {name}.max_episode_tokens must be >= 1, got {self.max_turns} and "
-                f"{self.max_episode_tokens}"
-            )
+        for key in ("max_turns", "max_episode_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{name}.{key} must be >= 1, got {getattr(self, key)}")
         for key, allowed in (
             ("on_tool_error", ON_TOOL_ERROR),
             ("turn_rewards", TURN_REWARDS),
@@ -68,8 +69,10 @@ class EnvConfig:
         ):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{name}.{key} must be one of {allowed}, got {getattr(self, key)!r}")
-        if not 0 < self.tool_timeout < float("inf") or not 0 <= self.gamma <= 1:
-            raise ValueError(f"{name}.tool_timeout must be finite and > 0 and {name}.gamma in [0, 1]")
+        if not 0 < self.tool_timeout < float("inf"):
+            raise ValueError(f"{name}.tool_timeout must be finite and > 0 (seconds), got {self.tool_timeout}")
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"{name}.gamma must be in [0, 1], got {self.gamma}")
         if self.name == "tools" and not self.tools:
             raise ValueError(f"{name}.name=tools needs {name}.tools: [module:function, ...]")
         if self.tools and self.name != "tools":
@@ -162,10 +165,21 @@ def build_environment(config: EnvConfig) -> Environment:
     from posttrain.rewards.base import load_reward_function  # module:Name or path/file.py:Name, as rewards
 
     try:
-        cls = load_reward_function(config.name)
+        cls = load_reward_function(config.name, kind="class", label="environment")
     except (ImportError, ValueError, FileNotFoundError) as error:
         raise ValueError(f"env.name={config.name!r}: {error}") from error
-    return cls(config, **config.kwargs)
+    try:
+        env = cls(config, **config.kwargs)
+    except TypeError as error:
+        raise ValueError(
+            f"env.name={config.name}: {cls.__name__}(config, **env.kwargs) failed ({error}); an environment's "
+            "constructor takes the run's EnvConfig, then env.kwargs as keywords"
+        ) from error
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if missing or not hasattr(env, "tools"):
+        what = ", ".join([f"a {m} method" for m in missing] + ([] if hasattr(env, "tools") else ["a tools attribute"]))
+        raise ValueError(f"env.name={config.name}: {cls.__name__} lacks {what} (docs/algorithms/multi_turn.md)")
+    return env
 
 
 def environment_for(config: EnvConfig | None, tokenizer) -> Environment | None:
@@ -184,12 +198,19 @@ ENVIRONMENT_REWARD = "posttrain.rewards.builtin:environment_reward"
 
 
 def with_environment_reward(specs: list, config: EnvConfig | None) -> list:
-    """``specs`` (``RewardSpec``s) and, with an environment, the environment's reward (``ENVIRONMENT_REWARD``)."""
+    """``specs`` (``RewardSpec``s) and, with an environment, the environment's reward (``ENVIRONMENT_REWARD``),
+    once: listed by the user too, it is not added again."""
     from posttrain.rewards import RewardSpec
 
-    if config is None or not config.enabled:
+    if config is None or not config.enabled or any(s.function == ENVIRONMENT_REWARD for s in specs):
         return list(specs)
     return [*specs, RewardSpec(function=ENVIRONMENT_REWARD, isolation="inline")]
+
+
+def data_specs(specs: list) -> list:
+    """The reward specs whose columns the data rows must hold: all but the environment's reward (its column is
+    written by the episodes)."""
+    return [s for s in specs if s.function != ENVIRONMENT_REWARD]
 
 
 def env_columns(states: list[EpisodeState], config: EnvConfig) -> dict[str, list[Any]]:

@@ -30,6 +30,17 @@ from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams, left_
 MARK = "\x00posttrain-turn\x00"  # a stand-in turn, found again in the rendering to cut the template there
 
 
+def first_messages(env: Environment, row: dict) -> list[dict]:
+    """``env.reset(row)``, checked: a list of chat messages ({"role": ..., "content": ...})."""
+    messages = env.reset(row)
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ValueError(
+            f"env: {type(env).__name__}.reset must return a list of chat messages "
+            f'[{{"role": "user", "content": ...}}, ...], got {messages!r:.200}'
+        )
+    return messages
+
+
 def render(tokenizer, messages: list[dict], tools, generation_prompt: bool) -> str:
     """The chat template's text of ``messages`` (with the tools' descriptions when ``tools``)."""
     extra = {"tools": tools} if tools else {}
@@ -38,6 +49,8 @@ def render(tokenizer, messages: list[dict], tools, generation_prompt: bool) -> s
 
 def prompt_ids(tokenizer, messages: list[dict], tools) -> list[int]:
     """The first messages of an episode rendered for the model's first turn (the template holds its BOS)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("env: episodes are rendered through the chat template, and this tokenizer has none")
     return tokenizer(render(tokenizer, messages, tools, True), add_special_tokens=False)["input_ids"]
 
 
@@ -91,17 +104,24 @@ def run_episodes(
     rows: list[dict],
     params: SamplingParams,
     n: int,
+    context: int | None = None,
 ) -> Rollout:
     """``n`` episodes from each of ``rows`` (consecutive, as a rollout's groups), every running episode's
     next turn sampled in one ``engine.generate`` call. Returns the rollout of the episodes: ``response_ids``
     the whole episode after its prompt, ``sampled_mask`` the model's tokens, ``responses`` the model's last
-    turn (what the reward functions read), ``columns`` the rows' and the episodes' (``env_columns``)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("env: episodes are rendered through the chat template, and this tokenizer has none")
+    turn (what the reward functions read), ``columns`` the rows' and the episodes' (``env_columns``).
+    ``context``: the model's positions; a first prompt that leaves less than ``env.max_episode_tokens`` of
+    them is refused (ValueError)."""
     episodes = []
     for row in rows:
-        first = env.reset(row)
+        first = first_messages(env, row)
         ids = prompt_ids(tokenizer, first, env.tools)
+        if context is not None and len(ids) + config.max_episode_tokens > context:
+            raise ValueError(
+                f"env: an episode's first prompt is {len(ids)} tokens (the environment's messages included), and with "
+                f"env.max_episode_tokens={config.max_episode_tokens} it does not fit the model's {context} positions: "
+                f"lower env.max_episode_tokens or shorten the prompt {str(row.get('prompt'))[:80]!r}"
+            )
         episodes += [_Episode(EpisodeState(row, [dict(m) for m in first]), ids) for _ in range(n)]
     special = set(tokenizer.all_special_ids)
     workers = max(1, getattr(env, "concurrent_steps", 1))

@@ -42,7 +42,9 @@ class PythonEnv:
         if failed and self.config.on_tool_error == "stop":
             return StepResult(done=True, tool_calls=1, tool_errors=1)
         output = result.stdout + (result.stderr if failed else "")
-        if failed and not result.stderr:
-            output += f"\n{result.status}: {result.reason}"
+        if result.status == "timeout":
+            output += f"\nerror: the program did not finish within {self.config.tool_timeout:g} s"
+        elif failed and not result.stderr:
+            output += f"\nerror: {result.reason}"
         output = output.strip()[-self.max_output :] or "(no output)"
         return StepResult(messages=[{"role": "tool", "content": output}], tool_calls=1, tool_errors=int(failed))

@@ -71,7 +71,7 @@ class FunctionToolsEnv:
         self.config = config
         self.functions = {}
         for spec in config.tools:
-            fn = load_reward_function(spec)
+            fn = load_reward_function(spec, label="tool")
             self.functions[fn.__name__] = fn
         self.tools = [tool_schema(fn) for fn in self.functions.values()]
         self.system = system

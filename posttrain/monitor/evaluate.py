@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from posttrain.data import DataConfig, PromptExample, check_columns, load_prompts
-from posttrain.envs import EnvConfig, Environment, environment_for, run_episodes, with_environment_reward
+from posttrain.envs import EnvConfig, Environment, data_specs, environment_for, run_episodes, with_environment_reward
 from posttrain.models import ModelConfig, load_policy, load_tokenizer
+from posttrain.monitor.records import strict_json
 from posttrain.rewards import RewardComposer, RewardSpec, reward_columns, score_rollout
 from posttrain.rollout import RolloutConfig, SamplingParams, build_engine, choose_engine
 
@@ -156,7 +157,7 @@ class Evaluator:
         if config.eval.path:
             eval_prompts, report = load_prompts(replace(config.data, path=config.eval.path), tokenizer)
             accelerator.print(f"[eval] held-out prompts: {report.summary()}")
-            check_columns(eval_prompts, reward_columns(specs), config.eval.path)
+            check_columns(eval_prompts, reward_columns(data_specs(specs)), config.eval.path)
         if not eval_prompts:
             return None
         # the policy tokenizer, as in training; no unscored-steps stop (an evaluation reports NaN scores); the
@@ -379,7 +380,7 @@ def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
         config.model.path, config.data.chat_template, tokenizer, lambda m: print(f"[eval] warning: {m}")
     )
     prompts, _ = load_prompts(config.data, tokenizer)
-    check_columns(prompts, reward_columns(config.rewards), config.data.path)  # before the model loads
+    check_columns(prompts, reward_columns(data_specs(config.rewards)), config.data.path)  # before the model loads
     model = load_policy(config.model)
     specs = with_environment_reward(config.rewards, config.env)
     rewards = RewardComposer.from_specs(specs, tokenizer, max_unscored_steps=None)
@@ -394,7 +395,7 @@ def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
         raise evaluator.failure from None  # no training to keep here: the reward function's own error
     metrics["eval/prompts"] = len(evaluator.prompts)
     if config.output_dir:
-        (Path(config.output_dir) / "eval_summary.json").write_text(json.dumps(metrics, indent=2))
+        (Path(config.output_dir) / "eval_summary.json").write_text(json.dumps(strict_json(metrics), indent=2))
     return metrics
 
 

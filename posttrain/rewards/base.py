@@ -153,15 +153,16 @@ class RewardSpec:
         return self.function.rsplit(":", 1)[1]
 
 
-def load_reward_function(spec: str) -> RewardFunction:
-    """Import ``module:function`` or ``path/to/file.py:function``."""
+def load_reward_function(spec: str, kind: str = "function", label: str = "reward function") -> RewardFunction:
+    """Import ``module:function`` or ``path/to/file.py:function``. ``kind="class"`` imports a class (an
+    environment); ``label`` names what is loaded in the messages."""
     target, _, attribute = spec.rpartition(":")
     if not target or not attribute:
-        raise ValueError(f"a reward function is named module:function or path/file.py:function, got {spec!r}")
+        raise ValueError(f"a {label} is named module:{kind} or path/file.py:{kind}, got {spec!r}")
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
-            raise FileNotFoundError(f"reward function file not found: {path}")
+            raise FileNotFoundError(f"{label} file not found: {path}")
         module_spec = importlib.util.spec_from_file_location(f"posttrain_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
@@ -169,13 +170,13 @@ def load_reward_function(spec: str) -> RewardFunction:
         module = importlib.import_module(target)
     fn = getattr(module, attribute, None)
     if not callable(fn):
-        defined = sorted(
-            name for name, value in vars(module).items() if inspect.isfunction(value) and not name.startswith("_")
-        )
+        defines = inspect.isclass if kind == "class" else inspect.isfunction
+        defined = sorted(name for name, value in vars(module).items() if defines(value) and not name.startswith("_"))
         close = difflib.get_close_matches(attribute, defined, n=1)
         guess = f"did you mean {close[0]}? " if close else ""
+        plural = "classes" if kind == "class" else "functions"
         raise ValueError(
-            f"{spec}: {target} has no function {attribute!r} ({guess}its functions: {', '.join(defined) or 'none'})"
+            f"{spec}: {target} has no {kind} {attribute!r} ({guess}its {plural}: {', '.join(defined) or 'none'})"
         )
     return fn
 

@@ -49,6 +49,7 @@ def check_inputs(config) -> None:
         check_batch_split(config, world_size())
         check_report_to(run)
     check_reward_functions(config)
+    check_environment(config)
     resolve_gguf_paths(config)
     for name, path, kind, revision in _model_paths(config):
         check_model_path(name, path, kind, revision)
@@ -205,6 +206,22 @@ def check_reward_functions(config) -> None:
             inspect.signature(fn).bind_partial([], [], **spec.kwargs)
         except TypeError as err:
             raise ValueError(f"{name}.kwargs: {spec.name}() does not take them: {err}") from None
+
+
+def check_environment(config) -> None:
+    """Build the ``env`` once (importing an environment class or the tool functions): a misspelled name, a tool
+    without type hints or docstring, a class without ``reset`` / ``step`` stops the run before a model loads."""
+    from posttrain.envs import build_environment
+
+    env = vars(config).get("env")
+    if env is None or not env.enabled:
+        return
+    try:
+        build_environment(env)
+    except (FileNotFoundError, ValueError) as err:
+        raise ValueError(str(err) if str(err).startswith("env") else f"env: {err}") from None
+    except Exception as err:  # importing someone's module raises: one line, not a traceback
+        raise ValueError(f"env.name={env.name}: building it raised {type(err).__name__}: {err}") from None
 
 
 # -- model and data paths ----------------------------------------------------------------------------

@@ -23,7 +23,8 @@ import torch
 
 from posttrain.core import aggregation_units, masked_importance_weights, masked_whiten, truncated_importance_weights
 from posttrain.data import PromptExample, check_columns, load_prompts, rendered
-from posttrain.envs import ENDS, EnvConfig, Environment, environment_for, run_episodes
+from posttrain.envs import ENDS, UNSCORED, EnvConfig, Environment, data_specs, environment_for, run_episodes
+from posttrain.envs.episodes import first_messages, prompt_ids
 from posttrain.errors import UserError
 from posttrain.models import (
     Reference,
@@ -47,7 +48,7 @@ from posttrain.rollout import (
 )
 from posttrain.runtime import engines, signals
 from posttrain.runtime.checkpoint import save_checkpoint
-from posttrain.runtime.inputs import VLLM_LORA_FSDP, check_batch_split, check_inputs
+from posttrain.runtime.inputs import VLLM_LORA_FSDP, check_batch_split, check_inputs, model_context
 from posttrain.runtime.loop import (
     NonFiniteGuard,
     PhaseTimer,
@@ -94,7 +95,7 @@ class OnlineTrainer:
         check_stage(acc, config, self.tokenizer, self.name)  # a checkpoint trained with another template mode
         prompts, report = load_prompts(config.data, self.tokenizer)
         specs = config.rewards + ([] if config.eval.path else config.eval.rewards)  # eval.path: the evaluator checks
-        check_columns(prompts, reward_columns(specs), config.data.path)  # every column they need, before any model
+        check_columns(prompts, reward_columns(data_specs(specs)), config.data.path)  # every column, before any model
         self.prompts, self.eval_prompts = split_train_eval(prompts, config.data.eval_fraction, config.run.seed)
         acc.print(f"[{self.name}] prompts: {report.summary()}")
         acc.print(f"[{self.name}] the first prompt as the model reads it: {rendered(self.tokenizer, prompts[0])}")
@@ -105,7 +106,8 @@ class OnlineTrainer:
             1, math.ceil(config.run.epochs * len(self.prompts) / prompts_per_step)
         )
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
-        self.env = start_environment(config, self.tokenizer, acc.print, self.name)
+        self.env = start_environment(config, self.tokenizer, self.prompts[0], acc.print, self.name)
+        self.context = model_context(config.model.path) if self.env is not None else None
         # the training engine's batch sizes: micro-batches of a minibatch's rows on this process
         rows = self.local_prompts * config.num_generations // config.minibatches
         micro = min(config.run.micro_batch_size, rows)
@@ -159,7 +161,9 @@ class OnlineTrainer:
         policy's shards are gathered for the rollout and released after (``engines.full_parameters``)."""
         with engines.full_parameters(self.accelerator, self.actor.model):
             if self.env is not None:
-                return sample_episodes(self.engine, self.policy, self.env, self.config, self.tokenizer, prompts, n)
+                return sample_episodes(
+                    self.engine, self.policy, self.env, self.config, self.tokenizer, prompts, n, self.context
+                )
             return sample(self.engine, self.policy, prompts, self.config.sampling, n)
 
     def next_rollout(self, step: int, count: int, n: int) -> tuple[Rollout | None, dict | None, dict]:
@@ -523,19 +527,33 @@ def check_episodes(config) -> None:
             "synchronously (rollout.async_steps=0)"
         )
     if getattr(config, "overlong_buffer_fraction", 0.0) > 0:
+        preset = getattr(config, "preset", "none")
+        by = (
+            f" (preset={preset} sets it)"
+            if preset != "none" and "overlong_buffer_fraction" in config.PRESETS[preset]
+            else ""
+        )
         raise ValueError(
-            "overlong_buffer_fraction > 0 with env: DAPO's overlong penalty measures one response against "
-            "sampling.max_new_tokens; an episode's budget is env.max_episode_tokens over several turns"
+            f"overlong_buffer_fraction={config.overlong_buffer_fraction}{by} with env: DAPO's overlong penalty "
+            "measures one response against sampling.max_new_tokens, an episode's budget is env.max_episode_tokens "
+            "over several turns; set overlong_buffer_fraction=0"
         )
     if config.sampling.max_new_tokens > env.max_episode_tokens:
         raise ValueError(
             f"sampling.max_new_tokens={config.sampling.max_new_tokens} (one turn) is more than "
-            f"env.max_episode_tokens={env.max_episode_tokens} (the whole episode after its prompt)"
+            f"env.max_episode_tokens={env.max_episode_tokens} (the whole episode after its prompt): lower "
+            "sampling.max_new_tokens or raise env.max_episode_tokens"
+        )
+    if env.name in UNSCORED and not config.rewards and getattr(config, "reward_model", None) is None:
+        raise ValueError(
+            f"env.name={env.name} gives no reward of its own: rewards must score the model's last turn, e.g. "
+            "rewards=[{function: posttrain.rewards.builtin:exact_answer}] with an answer column"
         )
 
 
-def start_environment(config, tokenizer, say, name: str) -> Environment | None:
-    """The environment of ``config.env`` (None without one), told the run's tokenizer; one line printed."""
+def start_environment(config, tokenizer, first: PromptExample, say, name: str) -> Environment | None:
+    """The environment of ``config.env`` (None without one), told the run's tokenizer; what it is and the first
+    episode's prompt as the model reads it (the environment's messages, a tool description, included) printed."""
     env_config: EnvConfig | None = getattr(config, "env", None)
     env = environment_for(env_config, tokenizer)
     if env is None:
@@ -544,15 +562,17 @@ def start_environment(config, tokenizer, say, name: str) -> Environment | None:
         f"[{name}] episodes in env={env_config.name}: at most {env_config.max_turns} turns and "
         f"{env_config.max_episode_tokens} tokens after the prompt; the environment's tokens are masked out of training"
     )
+    ids = prompt_ids(tokenizer, first_messages(env, {"prompt": first.prompt, **first.columns}), env.tools)
+    say(f"[{name}] the first episode's prompt as the model reads it: {tokenizer.decode(ids)!r}")
     return env
 
 
-def sample_episodes(engine: RolloutEngine, policy, env: Environment, config, tokenizer, prompts, n: int):
-    """A rollout of ``n`` episodes per prompt in ``env`` (``posttrain.envs.run_episodes``), and its columns
-    (the prompt rows' and the episodes': ``environment_reward``, turns, tool calls, ...)."""
+def sample_episodes(engine: RolloutEngine, policy, env: Environment, config, tokenizer, prompts, n: int, context):
+    """A rollout of ``n`` episodes per prompt in ``env`` (``posttrain.envs.run_episodes``; ``context``: the
+    model's positions), and its columns (the prompt rows' and the episodes': ``environment_reward``, turns, ...)."""
     rows = [{"prompt": p.prompt, **p.columns} for p in prompts]
     with engine.generating(policy):
-        rollout = run_episodes(engine, env, config.env, tokenizer, rows, config.sampling, n)
+        rollout = run_episodes(engine, env, config.env, tokenizer, rows, config.sampling, n, context)
     return rollout, rollout.columns
 
 
