@@ -48,17 +48,27 @@ def _cases():
         "masked_whiten": (lambda m, x: masked_whiten(x, m).sum(), 1),
         "shape_rewards": (lambda m, kl: shape_rewards(torch.ones(B, dtype=kl.dtype), kl, m, 0.1).sum(), 1),
         "gae": (lambda m, r, v: sum(t.sum() for t in gae(r, v, m, gamma=0.9, lam=0.8)), 2),
-        "value_loss": (lambda m, v, o, ret: value_loss(v, o, ret, m, clip_range=0.2), 3),
-        "ppo_token_adv": (lambda m, lp, old, a: ppo_policy_loss(lp, old, a, m)[0], 3),
+        "value_loss": (lambda m, v, o, ret: aggregate_loss(value_loss(v, o, ret, m, clip_range=0.2)[0], m), 3),
+        "ppo_token_adv": (lambda m, lp, old, a: aggregate_loss(ppo_policy_loss(lp, old, a, m)[0], m), 3),
         "ppo_kl_in_loss": (
-            lambda m, lp, old, ref: ppo_policy_loss(lp, old, adv_b, m, ref_logprobs=ref, kl_coef=0.1)[0],
+            lambda m, lp, old, ref: aggregate_loss(
+                ppo_policy_loss(lp, old, adv_b, m)[0] + 0.1 * kl_penalty(lp, ref, "k3", mask=m), m
+            ),
             3,
         ),
-        "gspo": (lambda m, lp, old: gspo_policy_loss(lp, old, adv_b, m, 0.2)[0], 2),
-        "gspo_token_adv": (lambda m, lp, old, a: gspo_policy_loss(lp, old, a, m, 0.2, token_level=True)[0], 3),
-        "cispo_token_adv": (lambda m, lp, old, a: cispo_policy_loss(lp, old, a, m, 0.2)[0], 3),
+        "gspo": (lambda m, lp, old: aggregate_loss(gspo_policy_loss(lp, old, adv_b, m, clip_low=0.2)[0], m), 2),
+        "gspo_token_adv": (
+            lambda m, lp, old, a: aggregate_loss(gspo_policy_loss(lp, old, a, m, clip_low=0.2, token_level=True)[0], m),
+            3,
+        ),
+        "cispo_token_adv": (
+            lambda m, lp, old, a: aggregate_loss(cispo_policy_loss(lp, old, a, m, clip_low=0.2)[0], m),
+            3,
+        ),
         "cispo_kl_in_loss": (
-            lambda m, lp, old, ref: cispo_policy_loss(lp, old, adv_b, m, 0.2, ref_logprobs=ref, kl_coef=0.1)[0],
+            lambda m, lp, old, ref: aggregate_loss(
+                cispo_policy_loss(lp, old, adv_b, m, clip_low=0.2)[0] + 0.1 * kl_penalty(lp, ref, "k3", mask=m), m
+            ),
             3,
         ),
     }
@@ -130,8 +140,8 @@ def test_ppo_ratio_one_and_no_clipping_on_policy():
 
 def test_ppo_empty_mask_is_finite_zero():
     mask = torch.zeros(2, 3)
-    loss, stats = ppo_policy_loss(torch.full((2, 3), float("nan")), torch.zeros(2, 3), torch.ones(2), mask)
-    assert loss.item() == 0.0
+    per_token, stats = ppo_policy_loss(torch.full((2, 3), float("nan")), torch.zeros(2, 3), torch.ones(2), mask)
+    assert aggregate_loss(per_token, mask).item() == 0.0
     assert all(torch.isfinite(v) for v in stats.values())
 
 
@@ -146,14 +156,15 @@ def test_every_policy_loss_on_policy_has_ratio_one_and_the_ppo_gradient(name, mo
     adv_b = torch.tensor([1.0, -0.5, 2.0, 0.3], dtype=torch.float64)
     for adv in (adv_b, rand()) if name != "gspo" else (adv_b,):  # gspo takes one advantage per response
         lp = old.clone().requires_grad_()
-        loss, stats = POLICY_LOSSES[name](lp, old, adv, mask, 0.2, None, mode, norm_length=T)
+        per_token, stats = POLICY_LOSSES[name](lp, old, adv, mask, clip_low=0.2, clip_high=None)
+        loss = aggregate_loss(per_token, mask, mode, norm_length=T)
         assert stats["ratio_max"].item() == stats["ratio_min"].item() == 1.0 and stats["clipfrac"].item() == 0.0
         lp_ppo = old.clone().requires_grad_()
-        ppo, _ = ppo_policy_loss(lp_ppo, old, adv, mask, 0.2, None, mode, norm_length=T)
+        ppo = aggregate_loss(ppo_policy_loss(lp_ppo, old, adv, mask, clip_low=0.2)[0], mask, mode, norm_length=T)
         assert_close(torch.autograd.grad(loss, lp)[0], torch.autograd.grad(ppo, lp_ppo)[0])
     empty = torch.zeros(2, 3)
-    loss, stats = POLICY_LOSSES[name](torch.full((2, 3), float("nan")), torch.zeros(2, 3), torch.ones(2), empty)
-    assert loss.item() == 0.0
+    per_token, stats = POLICY_LOSSES[name](torch.full((2, 3), float("nan")), torch.zeros(2, 3), torch.ones(2), empty)
+    assert aggregate_loss(per_token, empty).item() == 0.0
     assert all(torch.isfinite(v) for v in stats.values())
 
 
@@ -165,14 +176,15 @@ def test_micro_batches_recombined_with_counts_match_full_batch(mode, name):
     mask, rand = _batch()
     lp, old, adv = rand().requires_grad_(), rand(), rand()
     policy_loss = POLICY_LOSSES[name]
-    full, _ = policy_loss(lp, old, adv, mask, 0.2, None, mode)
+    full = aggregate_loss(policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=None)[0], mask, mode)
     (full_grad,) = torch.autograd.grad(full, lp)
     assert full_grad.abs().sum() > 0
 
     total_tokens = mask.sum()
     accumulated = torch.zeros((), dtype=lp.dtype)
     for rows in ([0], [1, 2], [3]):
-        mb_loss, _ = policy_loss(lp[rows], old[rows], adv[rows], mask[rows], 0.2, None, mode)
+        per_token, _ = policy_loss(lp[rows], old[rows], adv[rows], mask[rows], clip_low=0.2, clip_high=None)
+        mb_loss = aggregate_loss(per_token, mask[rows], mode)
         if mode == "token-mean":
             weight = mask[rows].sum().item() / total_tokens.item()
         else:  # Σ x / (B_mb·T) → Σ x / (B·T)
@@ -203,7 +215,9 @@ def test_gradcheck_aggregate_and_value_loss(mode):
     x = _gradcheck_inputs((B, T), 0)
     assert torch.autograd.gradcheck(lambda x: aggregate_loss(x, mask, mode), (x,))
     v, old, ret = (_gradcheck_inputs((B, T), s) for s in (1, 2, 3))
-    assert torch.autograd.gradcheck(lambda v: value_loss(v, old.detach(), ret.detach(), mask, 0.2, mode), (v,))
+    assert torch.autograd.gradcheck(
+        lambda v: aggregate_loss(value_loss(v, old.detach(), ret.detach(), mask, clip_range=0.2)[0], mask, mode), (v,)
+    )
 
 
 @pytest.mark.parametrize("kl_estimator", KL_ESTIMATORS)
@@ -215,7 +229,8 @@ def test_gradcheck_ppo_policy_loss(kl_estimator):
     ref, adv = _gradcheck_inputs((B, T), 2).detach(), _gradcheck_inputs((B,), 3).detach()
 
     def f(lp):
-        return ppo_policy_loss(lp, old, adv, mask, ref_logprobs=ref, kl_coef=0.3, kl_estimator=kl_estimator)[0]
+        per_token = ppo_policy_loss(lp, old, adv, mask)[0] + 0.3 * kl_penalty(lp, ref, kl_estimator, mask=mask)
+        return aggregate_loss(per_token, mask)
 
     assert torch.autograd.gradcheck(f, (lp,))
 
@@ -230,7 +245,8 @@ def test_gradcheck_gspo():
     ref, adv = _gradcheck_inputs((B, T), 2).detach(), _gradcheck_inputs((B,), 3).detach()
 
     def f(lp):
-        return gspo_policy_loss(lp, old, adv, mask, 0.02, None, "seq-mean-token-mean", ref, 0.3)[0]
+        per_token = gspo_policy_loss(lp, old, adv, mask, clip_low=0.02, clip_high=None)[0]
+        return aggregate_loss(per_token + 0.3 * kl_penalty(lp, ref, "k3", mask=mask), mask, "seq-mean-token-mean")
 
     assert torch.autograd.gradcheck(f, (lp,))
 

@@ -172,38 +172,40 @@ def test_ppo_policy_loss_by_hand():
     logprobs, old = ratios.log(), torch.zeros(1, 4)
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
     mask = torch.ones(1, 4)
-    loss, stats = ppo_policy_loss(logprobs, old, adv, mask, clip_low=0.2)
+    per_token, stats = ppo_policy_loss(logprobs, old, adv, mask, clip_low=0.2)
     # per token max(−A·r, −A·clip(r, 0.8, 1.2)):
     #   r=1.5, A=+1: max(−1.5, −1.2) = −1.2 (clipped)    r=1.5, A=−1: max(1.5, 1.2) = 1.5
     #   r=0.5, A=+1: max(−0.5, −0.8) = −0.5              r=0.5, A=−1: max(0.5, 0.8) = 0.8 (clipped)
-    assert_close(loss, (-1.2 + 1.5 - 0.5 + 0.8) / 4)
+    assert_close(per_token, [[-1.2, 1.5, -0.5, 0.8]])
+    assert_close(aggregate_loss(per_token, mask), (-1.2 + 1.5 - 0.5 + 0.8) / 4)
     assert_close(stats["clipfrac"], 0.5)
     assert_close(stats["ratio_mean"], 1.0)
     assert_close(stats["ratio_max"], 1.5)
-    # k3 with d = log r: r = 1.5 → 1/1.5 + ln 1.5 − 1; r = 0.5 → 2 + ln 0.5 − 1
-    k3 = (2 * (1 / 1.5 + math.log(1.5) - 1) + 2 * (2 + math.log(0.5) - 1)) / 4
+    # k3 of the sampling policy against the new one, d = log π_old − log π_θ = −log r: r − 1 − ln r;
+    # r = 1.5 → 0.5 − ln 1.5; r = 0.5 → −0.5 − ln 0.5
+    k3 = (2 * (1.5 - 1 - math.log(1.5)) + 2 * (0.5 - 1 - math.log(0.5))) / 4
     assert_close(stats["approx_kl"], k3)
     # clip-higher (DAPO): the upper bound becomes 1.28
-    loss_hi, _ = ppo_policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28)
-    assert_close(loss_hi, (-1.28 + 1.5 - 0.5 + 0.8) / 4)
+    per_token_hi, _ = ppo_policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert_close(aggregate_loss(per_token_hi, mask), (-1.28 + 1.5 - 0.5 + 0.8) / 4)
     # [B] advantages are shared by every token of the response
-    loss_b, _ = ppo_policy_loss(logprobs, old, torch.tensor([1.0]), mask)
-    assert_close(loss_b, (-1.2 - 1.2 - 0.5 - 0.5) / 4)
+    per_token_b, _ = ppo_policy_loss(logprobs, old, torch.tensor([1.0]), mask)
+    assert_close(aggregate_loss(per_token_b, mask), (-1.2 - 1.2 - 0.5 - 0.5) / 4)
 
 
 def test_ppo_policy_loss_kl_in_loss():
     logprobs = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-2.0, -2.0]])  # d = 1, 0
     mask = torch.ones(1, 2)
-    loss, stats = ppo_policy_loss(logprobs, logprobs, torch.tensor([1.0]), mask, ref_logprobs=ref, kl_coef=0.1)
-    # ratio 1 so the surrogate is −A = −1 per token; k3 = e^{−1} + 1 − 1 at t=0 and 0 at t=1
-    assert_close(loss, (-1 + 0.1 * math.exp(-1) + -1 + 0) / 2)
-    assert_close(stats["kl"], math.exp(-1) / 2)
-    assert_close(stats["pg_loss"], -1.0)
-    loss_k1, _ = ppo_policy_loss(
-        logprobs, logprobs, torch.tensor([1.0]), mask, ref_logprobs=ref, kl_coef=0.1, kl_estimator="k1"
-    )
-    assert_close(loss_k1, (-1 + 0.1 * 1 - 1 + 0) / 2)
+    pg, _ = ppo_policy_loss(logprobs, logprobs, torch.tensor([1.0]), mask)
+    kl = kl_penalty(logprobs, ref, "k3", mask=mask)
+    # GRPO's aggregate(ℓ + β·KL) (DeepSeekMath eq. 3): ratio 1 so the surrogate is −A = −1 per token;
+    # k3 = e^{−1} + 1 − 1 at t=0 and 0 at t=1
+    assert_close(aggregate_loss(pg + 0.1 * kl, mask), (-1 + 0.1 * math.exp(-1) + -1 + 0) / 2)
+    assert_close(masked_mean(kl, mask), math.exp(-1) / 2)
+    assert_close(aggregate_loss(pg, mask), -1.0)
+    kl_k1 = kl_penalty(logprobs, ref, "k1", mask=mask)
+    assert_close(aggregate_loss(pg + 0.1 * kl_k1, mask), (-1 + 0.1 * 1 - 1 + 0) / 2)
 
 
 def _gspo_case():
@@ -220,7 +222,10 @@ def test_gspo_policy_loss_by_hand():
     # s_0 = exp((0.1 + 0.3) / 2) = e^0.2 = 1.2214 > 1.2 with A_0 = +1: max(−1.2214, −1.2) = −1.2, clipped (no gradient)
     # s_1 = exp((−0.2 + 0.1 − 0.2) / 3) = e^−0.1 = 0.9048, inside [0.8, 1.2], A_1 = −2: ℓ_1 = 2·s_1
     s0, s1 = math.exp(0.2), math.exp(-0.1)
-    loss, stats = gspo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, "seq-mean-token-mean")
+    per_token, stats = gspo_policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    # every valid token of a response carries the response's term (padding: 0), so seq-mean-token-mean is the paper's
+    assert_close(per_token, torch.tensor([[-1.2, -1.2, 0.0], [2 * s1] * 3], dtype=torch.float64))
+    loss = aggregate_loss(per_token, mask, "seq-mean-token-mean")
     assert_close(loss, (-1.2 + 2 * s1) / 2)  # the paper's (1/G) Σ_i
     (grad,) = torch.autograd.grad(loss, logprobs)
     # ∂(2·s_1)/∂logπ_t = 2·s_1/3 on each of row 1's tokens, times 1/2 (two rows)
@@ -230,7 +235,8 @@ def test_gspo_policy_loss_by_hand():
     assert_close(stats["ratio_min"], s1)
     assert_close(stats["ratio_mean"], (2 * s0 + 3 * s1) / 5)
     # token-mean weighs row i by its |y_i| tokens: (2·(−1.2) + 3·2·s_1) / 5, and row 1's tokens get 3·(2·s_1/3)/5
-    loss_tm, _ = gspo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, "token-mean")
+    per_token_tm, _ = gspo_policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    loss_tm = aggregate_loss(per_token_tm, mask, "token-mean")
     assert_close(loss_tm, (2 * -1.2 + 3 * 2 * s1) / 5)
     (grad_tm,) = torch.autograd.grad(loss_tm, logprobs)
     assert_close(grad_tm[1], torch.full((3,), 2 * s1 / 5, dtype=torch.float64))
@@ -240,15 +246,17 @@ def test_gspo_token_equals_gspo_with_sequence_advantages_and_takes_token_advanta
     mask, logprobs, old, adv = _gspo_case()
     s1 = math.exp(-0.1)
     for agg in ("seq-mean-token-mean", "token-mean"):
-        seq, seq_stats = gspo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, agg)
-        tok, tok_stats = gspo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, agg, token_level=True)
+        seq, seq_stats = gspo_policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.2)
+        tok, tok_stats = gspo_policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.2, token_level=True)
+        seq, tok = aggregate_loss(seq, mask, agg), aggregate_loss(tok, mask, agg)
         assert_close(tok, seq)
         assert_close(torch.autograd.grad(tok, logprobs)[0], torch.autograd.grad(seq, logprobs)[0])
         assert_close(tok_stats["clipfrac"], seq_stats["clipfrac"])
     # per-token advantages, row 1: A = (−2, +1, −2): ℓ_{1,t} = −A_t·s_1 (s_1 inside the clip range) → mean s_1;
     # row 0 stays clipped at −1.2; each token's gradient is −A_t·s_1 / 3 / 2, its own advantage's
     token_adv = torch.tensor([[1.0, 1.0, 7.0], [-2.0, 1.0, -2.0]], dtype=torch.float64)
-    loss, _ = gspo_policy_loss(logprobs, old, token_adv, mask, 0.2, 0.2, "seq-mean-token-mean", token_level=True)
+    per_token, _ = gspo_policy_loss(logprobs, old, token_adv, mask, clip_low=0.2, clip_high=0.2, token_level=True)
+    loss = aggregate_loss(per_token, mask, "seq-mean-token-mean")
     assert_close(loss, (-1.2 + s1) / 2)
     (grad,) = torch.autograd.grad(loss, logprobs)
     assert_close(grad[1], torch.tensor([2 * s1, -s1, 2 * s1], dtype=torch.float64) / 6)
@@ -261,7 +269,8 @@ def test_cispo_policy_loss_by_hand_clipped_tokens_keep_their_gradient():
     logprobs = torch.tensor([[-1.0, -2.0, -0.5, float("nan")]], dtype=torch.float64).requires_grad_()
     old = logprobs.detach() - ratios.log()
     adv = torch.tensor([[1.0, -1.0, 2.0, 5.0]], dtype=torch.float64)
-    loss, stats = cispo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, "token-mean")
+    per_token, stats = cispo_policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    loss = aggregate_loss(per_token, mask, "token-mean")
     # ŵ = clip(r, 0.8, 1.2) = 1.2, 0.8, 1.1; ℓ_t = −ŵ·A·logπ = −1.2·1·(−1) = 1.2, −0.8·(−1)·(−2) = −1.6,
     # −1.1·2·(−0.5) = 1.1; token-mean over 3 tokens
     assert_close(loss, (1.2 - 1.6 + 1.1) / 3)
@@ -273,20 +282,22 @@ def test_cispo_policy_loss_by_hand_clipped_tokens_keep_their_gradient():
     assert_close(stats["ratio_min"], 0.5)
     # PPO on the same tokens drops the clipped ones (r = 1.5 with A > 0, r = 0.5 with A < 0: gradient 0)
     # and gives the unclipped one −A·r/3, CISPO's −ŵ·A/3
-    ppo, _ = ppo_policy_loss(logprobs, old, adv, mask, 0.2, 0.2, "token-mean")
+    ppo = aggregate_loss(ppo_policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.2)[0], mask, "token-mean")
     (ppo_grad,) = torch.autograd.grad(ppo, logprobs)
     assert_close(ppo_grad, torch.tensor([[0.0, 0.0, -2 * 1.1 / 3, 0.0]], dtype=torch.float64))
     # clip_low ≥ 1: no lower bound (MiniMax's setting), so the weight at t = 1 is r = 0.5: ℓ_1 = −0.5·(−1)·(−2) = −1
-    loss_nl, stats_nl = cispo_policy_loss(logprobs, old, adv, mask, 1.0, 0.2, "token-mean")
-    assert_close(loss_nl, (1.2 - 1.0 + 1.1) / 3)
+    per_token_nl, stats_nl = cispo_policy_loss(logprobs, old, adv, mask, clip_low=1.0, clip_high=0.2)
+    assert_close(aggregate_loss(per_token_nl, mask, "token-mean"), (1.2 - 1.0 + 1.1) / 3)
     assert_close(stats_nl["clipfrac"], 1 / 3)
 
 
 def test_value_loss_by_hand():
     v, old, ret, m = torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[2.0]]), torch.ones(1, 1)
-    assert_close(value_loss(v, old, ret, m), 0.5 * (1 - 2) ** 2)
+    assert_close(aggregate_loss(value_loss(v, old, ret, m)[0], m), 0.5 * (1 - 2) ** 2)
     # clipped: V_old + clip(1 − 0, ±0.2) = 0.2 → (0.2 − 2)² = 3.24 > 1 → ½·3.24
-    assert_close(value_loss(v, old, ret, m, clip_range=0.2), 0.5 * 3.24)
+    per_token, stats = value_loss(v, old, ret, m, clip_range=0.2)
+    assert_close(aggregate_loss(per_token, m), 0.5 * 3.24)
+    assert_close(stats["value_clipfrac"], 1.0)  # |1 − 0| > 0.2
 
 
 def test_dpo_loss_by_hand():

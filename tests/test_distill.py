@@ -12,7 +12,7 @@ from helpers import assert_close, crash_at
 from safetensors.torch import load_file
 
 from posttrain.cli import main
-from posttrain.core import generalized_jsd, ppo_policy_loss, reverse_kl_advantages, vocab_kl
+from posttrain.core import aggregate_loss, generalized_jsd, ppo_policy_loss, reverse_kl_advantages, vocab_kl
 from posttrain.data.synthetic import arithmetic_sft
 from posttrain.errors import UserError
 from posttrain.models import load_tokenizer
@@ -118,7 +118,7 @@ def test_identical_student_and_teacher_give_zero_loss_and_zero_gradient():
         assert_close(student.grad, torch.zeros_like(logits), atol=1e-14)
     logprobs = torch.log_softmax(logits, -1)[..., 0].clone().requires_grad_(True)
     advantages = reverse_kl_advantages(logprobs.detach(), logprobs.detach(), mask)
-    loss, _ = ppo_policy_loss(logprobs, logprobs.detach(), advantages, mask)
+    loss = aggregate_loss(ppo_policy_loss(logprobs, logprobs.detach(), advantages, mask)[0], mask)
     loss.backward()
     assert float(loss.detach()) == 0.0 and float(logprobs.grad.abs().max()) == 0.0
 
@@ -139,7 +139,7 @@ def test_the_reverse_kl_gradient_by_hand():
     advantages = reverse_kl_advantages(logprobs, teacher, mask)
     assert_close(advantages, [[-0.3 + 0.1, -0.2 + 2.0, 0.0]])
     trained = logprobs.clone().requires_grad_(True)
-    loss, _ = ppo_policy_loss(trained, logprobs, advantages, mask, agg="token-mean")
+    loss = aggregate_loss(ppo_policy_loss(trained, logprobs, advantages, mask)[0], mask, "token-mean")
     loss.backward()
     assert_close(trained.grad, [[(-0.1 + 0.3) / 2, (-2.0 + 0.2) / 2, 0.0]])
 

@@ -2,6 +2,7 @@
 gradient unscaling per optimizer, group statistics over scored rows only (issue 9 items 7, 9–12)."""
 
 import json
+import sys
 from dataclasses import replace
 
 import pytest
@@ -323,3 +324,64 @@ def test_groups_with_unscored_rows_use_the_scored_rows_only(files, estimator):
     advantages = trainer.advantages(scores, applicable, None, rollout.response_mask)
     a = 0.5 / (0.5**0.5 + 1e-4) if estimator == "grpo" else 1.0
     torch.testing.assert_close(advantages, torch.tensor([a, -a, 0.0, 0.0] * 2))
+
+
+class Reductions:
+    """What a GRPO update reduces and reads back, counted on one process: calls that are collectives on several
+    (accelerate's ``reduce`` and ``gather``, ``global_sum``, which skips its collective on one process and is
+    counted as the one it would make) and host syncs (``item``, ``tolist``, ``float``, ``int``, ``bool`` of a
+    tensor) made by the update's own code (``runtime/update.py``, ``runtime/online.py``, ``runtime/loop.py``,
+    ``trainers/grpo.py``; the model's forward is not counted)."""
+
+    FILES = (
+        "posttrain/runtime/update.py",
+        "posttrain/runtime/online.py",
+        "posttrain/runtime/loop.py",
+        "posttrain/trainers/grpo.py",
+    )
+
+    def __init__(self, monkeypatch, trainer):
+        from posttrain.trainers import grpo
+
+        self.collectives = self.syncs = 0
+        for name in ("reduce", "gather"):
+            monkeypatch.setattr(trainer.accelerator, name, self._collective(getattr(trainer.accelerator, name)))
+        for module in (online, grpo):
+            monkeypatch.setattr(module, "global_sum", self._collective(module.global_sum))
+        for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+            monkeypatch.setattr(torch.Tensor, name, self._sync(getattr(torch.Tensor, name)))
+
+    def _collective(self, function):
+        def counted(*args, **kwargs):
+            self.collectives += 1
+            return function(*args, **kwargs)
+
+        return counted
+
+    def _sync(self, method):
+        def counted(tensor, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+            self.syncs += any(caller.endswith(f) for f in self.FILES)
+            return method(tensor, *args, **kwargs)
+
+        return counted
+
+
+def test_a_grpo_update_reduces_its_statistics_once_whatever_its_micro_batches(files):
+    """Two minibatches of 4 rows, in micro-batches of 1 and of 4: the same collectives, 2 per minibatch (its loss
+    units before the first backward, its loss for the non-finite guard before the step) and 1 for every statistic
+    of the step (one gather of the stacked local sums); and the same host syncs, none per micro-batch."""
+    trainer = GRPOTrainer(_grpo_config(files, "minibatches=2", "policy_loss=gspo", "clip_low=0.05"))
+    rollout = _varied_rollout(trainer)
+    advantages = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    inputs = (_off_policy(rollout), None, advantages, rollout.response_mask)
+    counts, metrics = {}, {}
+    for micro in (1, 4):
+        trainer.config.run.micro_batch_size = micro
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            counted = Reductions(monkeypatch, trainer)
+            metrics[micro] = trainer.update(0, rollout, *inputs)
+        counts[micro] = (counted.collectives, counted.syncs)
+    assert counts[1] == counts[4]
+    assert counts[4][0] == 2 * 2 + 1
+    assert metrics[1].keys() == metrics[4].keys() and "policy/clipfrac" in metrics[4]

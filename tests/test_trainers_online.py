@@ -160,19 +160,11 @@ def test_presets_print_their_knobs_and_match_core_by_hand(noisy_sft, tmp_path, p
         logprobs, _ = response_logprobs(
             trainer.actor.model, rollout.input_ids, rollout.attention_mask, rollout.response_length, rollout.temperature
         )
-    by_hand, _ = ppo_policy_loss(
-        logprobs,
-        rollout.logprobs,
-        advantages,
-        mask,
-        expected["clip_low"],
-        expected["clip_high"],
-        expected["loss_agg"],
-        ref,
-        0.05,
-        config.kl_estimator,
-        norm_length=config.sampling.max_new_tokens,
+    per_token, _ = ppo_policy_loss(
+        logprobs, rollout.logprobs, advantages, mask, clip_low=expected["clip_low"], clip_high=expected["clip_high"]
     )
+    kl = kl_penalty(logprobs, ref, config.kl_estimator, mask=mask)
+    by_hand = aggregate_loss(per_token + 0.05 * kl, mask, expected["loss_agg"], config.sampling.max_new_tokens)
     stats = trainer.update(0, rollout, rollout.logprobs, ref, advantages, mask)  # 4 micro-batches of 16
     assert stats["policy/loss"] == pytest.approx(float(by_hand), abs=1e-5)
     if preset == "dr_grpo":  # Dr. GRPO's constant normaliser: Σ / (B · max_new_tokens)

@@ -14,15 +14,27 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.core.masks import zero_masked
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+def kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    estimator: str = "k1",
+    *,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token estimate of KL(π‖π_ref) (Schulman 2020): k1 = d, k2 = d²/2, k3 = exp(−d) + d − 1.
 
-    logprobs, ref_logprobs: [B, T] log-probabilities of the sampled tokens under π and π_ref.
-    Returns [B, T]. An unknown ``estimator`` raises ``ValueError`` (no silent fall-through).
+    logprobs, ref_logprobs: [B, T] log-probabilities of the sampled tokens under π (the policy that
+    sampled them) and π_ref. mask: [B, T], 1 = the token counts; where it is 0 the estimate is exactly 0
+    whatever the log-probs hold there (garbage at padding must not reach exp: its inf would make the
+    gradient NaN). Returns [B, T]. An unknown ``estimator`` raises ``ValueError`` (no silent fall-through).
     """
+    if mask is not None:
+        logprobs, ref_logprobs = zero_masked(logprobs, mask), zero_masked(ref_logprobs, mask)
     d = logprobs - ref_logprobs
     if estimator == "k1":
         return d

@@ -73,35 +73,30 @@ def ppo_policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
-    agg: str = "token-mean",
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    norm_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise, per token:
 
         ratio_t = exp(logprobs_t − old_logprobs_t)
-        ℓ_t = max(−A_t·ratio_t, −A_t·clip(ratio_t, 1 − clip_low, 1 + clip_high))  [+ kl_coef·KL_t]
+        ℓ_t = max(−A_t·ratio_t, −A_t·clip(ratio_t, 1 − clip_low, 1 + clip_high))
 
-    ``clip_high`` defaults to ``clip_low``; a larger one is DAPO's clip-higher (Yu et al. 2025).
-    With ``ref_logprobs`` the KL term kl_coef·kl_penalty(logprobs, ref_logprobs, kl_estimator) is
-    added per token before aggregation, GRPO's KL-in-loss (Shao et al. 2024, eq. 3).
+    ``clip_high`` defaults to ``clip_low``; a larger one is DAPO's clip-higher (Yu et al. 2025). The
+    trainer adds its other terms per token (GRPO's β·KL, DeepSeekMath eq. 3) and reduces the sum with
+    ``aggregate_loss``: the reduction is where the variants differ, so it stays in sight.
 
     logprobs: [B, T] under the policy being trained (with grad); old_logprobs: [B, T] under the
     policy that sampled; advantages: [B] (one per response, GRPO) or [B, T] (per token, PPO);
-    mask: [B, T], 1 = response token that trains; norm_length: L of ``seq-mean-token-sum-norm``.
-    Returns (loss, stats); stats are detached scalars: clipfrac (share of valid tokens on the clipped
-    branch), approx_kl (masked mean of k3 between old and new), ratio_mean, ratio_max, ratio_min, pg_loss, and
-    kl (masked mean of the KL term) when ``ref_logprobs`` is given.
+    mask: [B, T], 1 = response token that trains.
+    Returns (ℓ [B, T], exactly 0 where the mask is 0; stats), stats detached scalars: clipfrac (share of
+    valid tokens on the clipped branch), approx_kl (k3 estimate of KL(π_old‖π_θ) on the tokens π_old
+    sampled), ratio_mean, ratio_max, ratio_min.
     """
     mask, logprobs, old_logprobs, advantages = _policy_inputs(logprobs, old_logprobs, advantages, mask)
     ratio = torch.exp(logprobs - old_logprobs)
     per_token, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
-    stats = _ratio_stats(ratio, clipped, logprobs, old_logprobs, mask)
-    return _aggregate_with_kl(per_token, stats, logprobs, mask, agg, norm_length, ref_logprobs, kl_coef, kl_estimator)
+    return per_token, _ratio_stats(ratio, clipped, logprobs, old_logprobs, mask)
 
 
 def gspo_policy_loss(
@@ -109,34 +104,31 @@ def gspo_policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    *,
     clip_low: float = 3e-4,
     clip_high: float | None = 4e-4,
-    agg: str = "seq-mean-token-mean",
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    norm_length: int | None = None,
     token_level: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO, Group Sequence Policy Optimization (Zheng et al. 2025, arXiv:2507.18071), and its GSPO-token
     variant: one importance ratio per response, the geometric mean of its token ratios, clipped per response:
 
         s_i = exp( (1/|y_i|) Σ_t m_{i,t}·(logprobs_{i,t} − old_logprobs_{i,t}) )        |y_i| = Σ_t m_{i,t}
-        GSPO:        ℓ_{i,t} = max(−A_i·s_i, −A_i·clip(s_i, 1 − clip_low, 1 + clip_high))   [+ kl_coef·KL_{i,t}]
+        GSPO:        ℓ_{i,t} = max(−A_i·s_i, −A_i·clip(s_i, 1 − clip_low, 1 + clip_high))
         GSPO-token:  s_{i,t} = sg[s_i]·π_θ(y_{i,t}) / sg[π_θ(y_{i,t})]  in place of s_i, A_{i,t} in place of A_i
 
     ``token_level=False`` is GSPO: every valid token of row i holds the row's term, so
-    ``seq-mean-token-mean`` gives the paper's (1/G) Σ_i min(s_i·A_i, clip(s_i)·A_i) and its gradient
-    −A_i·s_i/|y_i| on each token's log-prob; the other ``agg`` modes weigh row i by its |y_i| tokens.
+    ``aggregate_loss(ℓ, mask, "seq-mean-token-mean")`` gives the paper's (1/G) Σ_i min(s_i·A_i, clip(s_i)·A_i)
+    and its gradient −A_i·s_i/|y_i| on each token's log-prob; the other modes weigh row i by its |y_i| tokens.
     ``token_level=True`` is GSPO-token: the same value, the gradient through each token's own log-prob
     (∂s_{i,t}/∂logπ_θ(y_{i,t}) = s_i), so per-token advantages [B, T] may enter; with [B] advantages its
     gradient equals GSPO's. A row is clipped whole, so a token is on the clipped branch when its row is
     (for GSPO-token with [B, T] advantages, when the sign of its A_{i,t} puts it there).
 
-    Shapes and the KL term as in ``ppo_policy_loss``; ``clip_high`` None = ``clip_low``; the defaults
-    3e-4 / 4e-4 are the paper's (§5.1). Returns (loss, stats): clipfrac is the share of valid tokens on
-    the clipped branch (the paper's "fraction of clipped tokens"); ratio_mean/max/min are over valid
-    tokens of the ratio the loss uses (s_i repeated on each of the row's tokens).
+    Shapes as in ``ppo_policy_loss``; ``clip_high`` None = ``clip_low``; the defaults 3e-4 / 4e-4 are the
+    paper's (§5.1). Returns (ℓ [B, T], 0 where the mask is 0; stats): clipfrac is the share of valid tokens
+    on the clipped branch (the paper's "fraction of clipped tokens"); ratio_mean/max/min are over valid
+    tokens of the ratio the loss uses (s_i repeated on each of the row's tokens); approx_kl as in
+    ``ppo_policy_loss``.
     """
     mask, logprobs, old_logprobs, advantages = _policy_inputs(logprobs, old_logprobs, advantages, mask)
     seq_log_ratio = masked_mean(logprobs - old_logprobs, mask, dim=-1)[:, None]  # [B, 1]; 0 for an empty row
@@ -146,8 +138,7 @@ def gspo_policy_loss(
         log_ratio = seq_log_ratio.expand_as(logprobs)
     ratio = torch.exp(log_ratio)
     per_token, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
-    stats = _ratio_stats(ratio, clipped, logprobs, old_logprobs, mask)
-    return _aggregate_with_kl(per_token, stats, logprobs, mask, agg, norm_length, ref_logprobs, kl_coef, kl_estimator)
+    return per_token, _ratio_stats(ratio, clipped, logprobs, old_logprobs, mask)
 
 
 def cispo_policy_loss(
@@ -155,35 +146,30 @@ def cispo_policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    *,
     clip_low: float = 1.0,
     clip_high: float | None = 0.28,
-    agg: str = "token-mean",
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    norm_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO, Clipped IS-weight Policy Optimization (MiniMax 2025, "MiniMax-M1", arXiv:2506.13585): the
     importance weight is clipped and detached, the update never is:
 
         r_t = exp(logprobs_t − old_logprobs_t)
-        ℓ_t = −sg(clip(r_t, 1 − clip_low, 1 + clip_high))·A_t·logprobs_t   [+ kl_coef·KL_t]
+        ℓ_t = −sg(clip(r_t, 1 − clip_low, 1 + clip_high))·A_t·logprobs_t
 
     Every valid token keeps its gradient −sg(ŵ_t)·A_t on its log-prob, a clipped one included (PPO's
     clip sets the gradient of a token on the clipped branch to 0). ``clip_low`` ≥ 1 puts no lower bound on
     the weight (r_t > 0), as MiniMax did; ``clip_high`` None = ``clip_low``. The value of ℓ is REINFORCE's
     −A·log π scaled by the weight, not a ratio surrogate: it moves with log π, only its gradient matters.
 
-    Shapes and the KL term as in ``ppo_policy_loss``. Returns (loss, stats): clipfrac is the share of
-    valid tokens whose weight was clipped (they still train, with the clipped weight); ratio_mean/max/min
-    are over valid tokens of the unclipped r_t.
+    Shapes as in ``ppo_policy_loss``. Returns (ℓ [B, T], 0 where the mask is 0; stats): clipfrac is the
+    share of valid tokens whose weight was clipped (they still train, with the clipped weight);
+    ratio_mean/max/min are over valid tokens of the unclipped r_t; approx_kl as in ``ppo_policy_loss``.
     """
     mask, logprobs, old_logprobs, advantages = _policy_inputs(logprobs, old_logprobs, advantages, mask)
     ratio = torch.exp(logprobs - old_logprobs)
     weight = _clip_ratio(ratio, clip_low, clip_high).detach()
     per_token = -weight * advantages * logprobs
-    stats = _ratio_stats(ratio, weight != ratio, logprobs, old_logprobs, mask)
-    return _aggregate_with_kl(per_token, stats, logprobs, mask, agg, norm_length, ref_logprobs, kl_coef, kl_estimator)
+    return per_token, _ratio_stats(ratio, weight != ratio, logprobs, old_logprobs, mask)
 
 
 POLICY_LOSSES = {
@@ -193,7 +179,7 @@ POLICY_LOSSES = {
     "cispo": cispo_policy_loss,
 }
 """The policy losses a trainer chooses from by name (``policy_loss``), all with ``ppo_policy_loss``'s
-arguments and return."""
+arguments and return: the per-token loss [B, T] and its statistics."""
 
 
 def _policy_inputs(logprobs, old_logprobs, advantages, mask):
@@ -221,26 +207,19 @@ def _clip_ratio(ratio: torch.Tensor, clip_low: float, clip_high: float | None) -
 
 
 def _ratio_stats(ratio, clipped, logprobs, old_logprobs, mask) -> dict[str, torch.Tensor]:
-    """clipfrac (share of valid tokens where ``clipped``), approx_kl (k3 of old against new), the ratio's
-    masked mean, max and min (0 without a valid token); detached scalars."""
+    """clipfrac (share of valid tokens where ``clipped``), approx_kl, the ratio's masked mean, max and min
+    (0 without a valid token); detached scalars.
+
+    approx_kl is k3 = r − 1 − log r (r = π_θ/π_old) with ``kl_penalty``'s arguments in its documented order,
+    the sampling policy first: the tokens were drawn from π_old, so it estimates KL(π_old‖π_θ) without bias
+    (Schulman 2020; CleanRL's ``approx_kl``)."""
     return {
         "clipfrac": masked_mean(clipped.to(ratio.dtype), mask).detach(),
-        "approx_kl": masked_mean(kl_penalty(logprobs, old_logprobs, "k3"), mask).detach(),
+        "approx_kl": masked_mean(kl_penalty(old_logprobs, logprobs, "k3"), mask).detach(),
         "ratio_mean": masked_mean(ratio, mask).detach(),
         "ratio_max": torch.where(mask.any(), torch.where(mask, ratio, -torch.inf).max(), 0.0).detach(),
         "ratio_min": torch.where(mask.any(), torch.where(mask, ratio, torch.inf).min(), 0.0).detach(),
     }
-
-
-def _aggregate_with_kl(per_token, stats, logprobs, mask, agg, norm_length, ref_logprobs, kl_coef, kl_estimator):
-    """(aggregate(ℓ [+ kl_coef·KL], mask, agg), stats with pg_loss and, with ``ref_logprobs``, kl)."""
-    pg_loss = aggregate_loss(per_token, mask, agg, norm_length)
-    stats["pg_loss"] = pg_loss.detach()
-    if ref_logprobs is None:
-        return pg_loss, stats
-    kl = kl_penalty(logprobs, zero_masked(ref_logprobs, mask), kl_estimator)
-    stats["kl"] = masked_mean(kl, mask).detach()
-    return aggregate_loss(per_token + kl_coef * kl, mask, agg, norm_length), stats
 
 
 def value_loss(
@@ -248,27 +227,29 @@ def value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
+    *,
     clip_range: float | None = None,
-    agg: str = "token-mean",
-    norm_length: int | None = None,
-) -> torch.Tensor:
-    """Clipped value loss (PPO2 baselines; Huang et al., "37 Implementation Details", detail 9):
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (PPO2 baselines; Huang et al., "37 Implementation Details", detail 9), per token:
 
-        ½ · aggregate(max((V − R)², (V_old + clip(V − V_old, −c, c) − R)²))
+        ℓ_t = ½ · max((V_t − R_t)², (V_old,t + clip(V_t − V_old,t, −c, c) − R_t)²)
 
-    and ½ · aggregate((V − R)²) without ``clip_range``.
+    and ½ · (V_t − R_t)² without ``clip_range``; the trainer reduces it with ``aggregate_loss``.
     values: [B, T] from the critic being trained; old_values: [B, T] at rollout time;
-    returns: [B, T] (``gae``); mask: [B, T], 1 = response token; norm_length: L of
-    ``seq-mean-token-sum-norm``. Returns a scalar.
+    returns: [B, T] (``gae``); mask: [B, T], 1 = response token.
+    Returns (ℓ [B, T], 0 where the mask is 0; stats): value_clipfrac, the share of valid tokens whose value
+    moved more than c from V_old (0 without ``clip_range``), a detached scalar.
     """
     mask = mask.bool()
     values, returns = zero_masked(values, mask), zero_masked(returns, mask)
     per_token = (values - returns).square()
+    clipped = torch.zeros_like(mask)
     if clip_range is not None:
         old_values = zero_masked(old_values, mask)
         values_clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
         per_token = torch.maximum(per_token, (values_clipped - returns).square())
-    return 0.5 * aggregate_loss(per_token, mask, agg, norm_length)
+        clipped = (values - old_values).abs() > clip_range
+    return 0.5 * per_token, {"value_clipfrac": masked_mean(clipped.float(), mask).detach()}
 
 
 def dpo_loss(

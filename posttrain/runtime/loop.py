@@ -7,7 +7,7 @@ number of units. Before the first micro-batch the loop knows the step's global u
 micro-batches, all processes); ``backward_share`` back-propagates each micro-batch's loss as its share
 of the mean over those N units. One optimizer step is then the gradient of the mean over all units of
 the step, whatever the split into micro-batches, accumulation steps or processes. The online trainers
-(``online.train_minibatch``) normalise through the same function.
+(``online.MinibatchUpdate``) normalise through the same function.
 
 Data order: step k of epoch e reads positions [k·B, (k+1)·B) of a permutation drawn from
 ``seed + e``. The position in the data is therefore a function of the step alone, and a resumed run
@@ -216,6 +216,15 @@ class Trainable:
 
 def backward_share(accelerator, model, loss: torch.Tensor, local_units: float, global_units: float) -> float:
     """Back-propagate a micro-batch's ``loss`` — its mean over its ``local_units`` loss units — as its share
+    of the mean over all ``global_units`` units of the step (``loss_share``). Returns the share (the
+    micro-batch's weight in the step's means)."""
+    weight = loss_share(accelerator, local_units, global_units)
+    engines.backward(accelerator, model, loss * weight)  # ``model``: the prepared one (a DeepSpeed engine steps itself)
+    return weight
+
+
+def loss_share(accelerator, local_units: float, global_units: float) -> float:
+    """The factor that makes a micro-batch's loss — its mean over its ``local_units`` loss units — its share
     of the mean over all ``global_units`` units of the step (every micro-batch of every process):
 
         ∇ (loss · local_units · world / global_units)
@@ -223,13 +232,10 @@ def backward_share(accelerator, model, loss: torch.Tensor, local_units: float, g
     × world because DDP (and ZeRO) average the gradients of the processes. Summed over micro-batches and
     processes, the gradient is that of the global mean, whatever the split into micro-batches,
     accumulation steps or processes (docs/pitfalls.md #1). The one loss normalisation of every trainer:
-    ``run_offline`` (SFT, RM, DPO) and ``online.train_minibatch`` (PPO, GRPO) call it.
-
-    Returns the weight local_units · world / global_units (the micro-batch's weight in the step's means).
+    ``run_offline`` (SFT, RM, DPO) through ``backward_share``, the online trainers (PPO, GRPO, online DPO,
+    distillation) through ``online.MinibatchUpdate``.
     """
-    weight = float(local_units) * accelerator.num_processes / max(float(global_units), 1.0)
-    engines.backward(accelerator, model, loss * weight)  # ``model``: the prepared one (a DeepSpeed engine steps itself)
-    return weight
+    return float(local_units) * accelerator.num_processes / max(float(global_units), 1.0)
 
 
 @dataclass
@@ -449,10 +455,18 @@ def evaluate_offline(accelerator, task: Task, model, examples: list, micro: int)
 
 def global_sum(accelerator, value) -> float:
     """Σ of ``value`` over every process, in float64."""
-    if accelerator.num_processes == 1:  # nothing to reduce: no float64 tensor and collective dispatch (~50 a step)
+    if accelerator.num_processes == 1:  # nothing to reduce: no float64 tensor and collective dispatch
         return float(value)
     tensor = torch.as_tensor(value, dtype=torch.float64, device=accelerator.device)
     return float(accelerator.reduce(tensor, reduction="sum"))
+
+
+def global_sums(accelerator, *values) -> list[float]:
+    """Σ of each of ``values`` (numbers or 0-d tensors) over every process, in float64: one collective and
+    one host sync for all of them, where a ``global_sum`` each would take one apiece."""
+    device = accelerator.device
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device).reshape(()) for v in values])
+    return accelerator.reduce(stacked, reduction="sum").tolist()
 
 
 def save_final(accelerator, output_dir, models: dict, tokenizer) -> None:

@@ -1,11 +1,12 @@
 """What the online trainers (PPO, GRPO) share, written once: the loop around a step (``OnlineTrainer``:
-prompts and their order, the rollout engine, the end of a step, checkpoints and resume), the update
-skeleton (``minibatches`` → ``train_minibatch``: shuffled minibatches, micro-batches, one optimizer
-step each), reference and old log-probs, global statistics across processes, phase timers and metrics.
+prompts and their order, the rollout engine, the end of a step, checkpoints and resume), shuffled
+minibatches (``minibatches``; their micro-batches, backward shares, optimizer steps and the step's statistics
+are ``runtime.update``'s), reference and old log-probs, global statistics across processes, phase timers and
+metrics.
 
-The algorithms themselves (what is computed from a rollout and in which order) stay in
-``PPOTrainer.train_step`` and ``GRPOTrainer.train_step``, where they read like the papers' algorithm
-boxes.
+The algorithms themselves (what is computed from a rollout and in which order, and the update's forward →
+loss → backward → step) stay in ``PPOTrainer`` and ``GRPOTrainer``, where they read like the papers'
+algorithm boxes.
 """
 
 from __future__ import annotations
@@ -14,14 +15,12 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from posttrain.core import aggregation_units, masked_importance_weights, masked_whiten, truncated_importance_weights
+from posttrain.core import masked_importance_weights, masked_whiten, truncated_importance_weights
 from posttrain.data import PromptExample, check_columns, load_prompts, rendered
 from posttrain.envs import ENDS, UNSCORED, EnvConfig, Environment, data_specs, environment_for, run_episodes
 from posttrain.envs.episodes import first_messages, prompt_ids
@@ -50,18 +49,17 @@ from posttrain.runtime import engines, signals
 from posttrain.runtime.checkpoint import save_checkpoint
 from posttrain.runtime.inputs import VLLM_LORA_FSDP, check_batch_split, check_inputs, model_context
 from posttrain.runtime.loop import (
-    NonFiniteGuard,
     PhaseTimer,
-    backward_share,
     build_accelerator,
     checkpoint_due,
     global_sum,
-    optimizer_step,
+    global_sums,
     save_final,
     split_train_eval,
     start_run,
 )
 from posttrain.runtime.prefix import SharedPrefix, packed_rollout_rows, prompt_cache_applies, unpack_rows
+from posttrain.runtime.update import Tally, micro_slices, reduce_tallies
 
 
 class OnlineTrainer:
@@ -399,17 +397,6 @@ class OnlineTrainer:
 # -- the update skeleton ------------------------------------------------------------------------------
 
 
-@dataclass
-class Optimized:
-    """A trained model as accelerate prepared it, with its optimizer, schedule and non-finite guard."""
-
-    model: torch.nn.Module
-    optimizer: Any
-    scheduler: Any
-    guard: NonFiniteGuard
-    max_grad_norm: float | None
-
-
 def minibatches(
     num_rows: int, passes: int, count: int, seed: int, step: int, shuffle: bool = True
 ) -> Iterator[tuple[int, list[int]]]:
@@ -422,52 +409,6 @@ def minibatches(
         order = torch.randperm(num_rows, generator=generator) if shuffle else torch.arange(num_rows)
         for rows in split_minibatches(order, count):
             yield p, rows
-
-
-def train_minibatch(
-    accelerator,
-    trained: Optimized,
-    step: int,
-    mask: torch.Tensor,
-    loss_agg: str,
-    micro_batch_size: int,
-    loss_fn: Callable[[slice], tuple[torch.Tensor, dict]],
-) -> tuple[dict[str, float], float]:
-    """One optimizer step of ``trained`` on a minibatch whose response mask is ``mask`` [b, T].
-
-    For each micro-batch ``s`` of its rows, ``loss_fn(s)`` gives (the loss reduced by ``loss_agg`` over
-    the micro-batch, {stat: value}); the loss is back-propagated as its share of the minibatch's mean
-    over every process (``loop.backward_share``, units by ``core.aggregation_units``), gradients
-    synchronised on the last micro-batch only. Returns (the stats weighted over micro-batches and
-    processes, the gradient norm before clipping).
-
-    A micro-batch without a trained token (GRPO: a group no reward function scored) adds nothing to
-    the stats: its ratio is no 0. A minibatch without any, on every process, is no update at all:
-    returns ({}, nan) without a forward pass or an optimizer step (Adam's momentum would still move
-    the weights on a zero gradient).
-    """
-    if global_sum(accelerator, mask.sum()) == 0:
-        return {}, math.nan
-    units = global_sum(accelerator, aggregation_units(mask, loss_agg))
-    slices = micro_slices(len(mask), micro_batch_size)
-    stats, total = StatsAccumulator(), 0.0
-    for k, s in enumerate(slices):
-        with engines.micro_batch(accelerator, trained.model, last=k == len(slices) - 1):
-            loss, loss_stats = loss_fn(s)
-            weight = backward_share(accelerator, trained.model, loss, aggregation_units(mask[s], loss_agg), units)
-        total = total + (loss * weight).detach()
-        stats.add(loss_stats, weight, empty=not bool(mask[s].any()))
-    grad_norm = optimizer_step(
-        accelerator,
-        trained.model,
-        trained.optimizer,
-        trained.scheduler,
-        trained.max_grad_norm,
-        trained.guard,
-        step + 1,
-        global_sum(accelerator, total) / accelerator.num_processes,  # the minibatch's loss, for the guard
-    )
-    return stats.result(accelerator), grad_norm
 
 
 def first_minibatch_metrics(first: dict[str, float]) -> dict[str, float]:
@@ -611,10 +552,6 @@ def split_minibatches(order: torch.Tensor, minibatches: int) -> list[list[int]]:
     return [part.tolist() for part in torch.tensor_split(order, min(minibatches, len(order)))]
 
 
-def micro_slices(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
 def reference_logprobs(
     reference: Reference, rollout: Rollout, micro_batch_size: int, device, shared: SharedPrefix | None = None
 ) -> torch.Tensor:
@@ -726,52 +663,54 @@ def importance_weights(
 
 
 class OffPolicyTally:
-    """The sampler/trainer gap, importance-weight and KL metrics, summed part by part and reduced over the
-    processes once: over the whole batch in ``old_logprobs_of``, or micro-batch by micro-batch when π_old is
-    the training forward itself (a GRPO update of one pass over one minibatch on an asynchronous batch,
-    whose old log-probs are the first forward's, detached, so the separate no-grad pass is not run)."""
+    """The sampler/trainer gap, importance-weight and KL metrics, tallied part by part on the device and reduced
+    over the processes once: over the whole batch in ``old_logprobs_of``, or micro-batch by micro-batch when π_old
+    is the training forward itself (a GRPO update of one pass over one minibatch on an asynchronous batch, whose
+    old log-probs are the first forward's, detached, so the separate no-grad pass is not run; reduced with the
+    update's statistics, ``StepStats.result``)."""
 
     def __init__(self):
-        self.sums: dict[str, float] = defaultdict(float)
-        self.maxima: dict[str, float] = defaultdict(float)
+        self.tally = Tally()
+        self.with_kl = False
 
     def weights(self, old, behaviour, valid, config: RolloutConfig) -> torch.Tensor | None:
         """Importance weights [b, T] of ``config.importance_sampling`` (None: none), tallying the gap."""
         diff = torch.where(valid, (old - behaviour).abs(), 0.0)
-        self.sums["tokens"] += float(valid.sum())
-        self.sums["diff"] += float(diff.sum())
-        self.maxima["diff"] = max(self.maxima["diff"], float(diff.max()))
+        self.tally.add("tokens", valid.sum())
+        self.tally.add("diff", diff.sum())
+        self.tally.add("diff_max", diff.max())
         if config.importance_sampling == "none":
             return None
         weights, outside = importance_weights(old, behaviour, valid, config)
-        self.sums["weight"] += float(torch.where(valid, weights, 0.0).sum())
-        self.sums["outside"] += float((outside & valid).sum())
-        self.maxima["weight"] = max(self.maxima["weight"], float(torch.where(valid, weights, 0.0).max()))
+        self.tally.add("weight", torch.where(valid, weights, 0.0).sum())
+        self.tally.add("outside", (outside & valid).sum())
+        self.tally.add("weight_max", torch.where(valid, weights, 0.0).max())
         return weights
 
     def kl(self, kl: torch.Tensor, valid: torch.Tensor) -> None:
         per_row = torch.where(valid, kl, 0.0).sum(-1)
-        self.sums["kl"] += float(per_row.sum())
-        self.sums["rows"] += len(per_row)
-        self.sums["kl_tokens"] += float(valid.sum())
-        self.maxima["kl"] = 1.0  # a KL was tallied
+        self.tally.add("kl", per_row.sum())
+        self.tally.add("rows", len(per_row))
+        self.tally.add("kl_tokens", valid.sum())
+        self.with_kl = True
 
     def result(self, accelerator, importance: bool) -> dict[str, float]:
-        def total(key: str) -> float:
-            return global_sum(accelerator, self.sums[key])
+        """The metrics, after reducing the tally on its own (one collective)."""
+        reduce_tallies(accelerator, self.tally)
+        return self.metrics(importance)
 
-        def high(key: str) -> float:
-            return float(accelerator.gather(torch.tensor([self.maxima[key]], device=accelerator.device)).max())
-
-        tokens = max(total("tokens"), 1.0)
-        out = {"rollout/logprob_diff_mean": total("diff") / tokens, "rollout/logprob_diff_max": high("diff")}
+    def metrics(self, importance: bool) -> dict[str, float]:
+        """The metrics of the reduced tally."""
+        total = self.tally.reduced
+        tokens = max(total["tokens"], 1.0)
+        out = {"rollout/logprob_diff_mean": total["diff"] / tokens, "rollout/logprob_diff_max": total["diff_max"]}
         if importance:
-            out["rollout/importance_weight_mean"] = total("weight") / tokens
-            out["rollout/importance_weight_max"] = high("weight")
-            out["rollout/importance_clipped_share"] = total("outside") / tokens
-        if high("kl") > 0:
-            out["kl/per_token"] = total("kl") / max(total("kl_tokens"), 1.0)
-            out["kl/per_sequence"] = total("kl") / max(total("rows"), 1.0)
+            out["rollout/importance_weight_mean"] = total["weight"] / tokens
+            out["rollout/importance_weight_max"] = total["weight_max"]
+            out["rollout/importance_clipped_share"] = total["outside"] / tokens
+        if self.with_kl:
+            out["kl/per_token"] = total["kl"] / max(total["kl_tokens"], 1.0)
+            out["kl/per_sequence"] = total["kl"] / max(total["rows"], 1.0)
         return out
 
 
@@ -845,60 +784,20 @@ def episode_metrics(accelerator, rollout: Rollout) -> dict[str, float]:
 def kl_metrics(accelerator, kl: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """KL per token (masked mean) and per sequence (mean of row sums), over all processes."""
     per_sequence = torch.where(mask.bool(), kl, 0.0).sum(-1)
-    tokens = global_sum(accelerator, mask.sum())
-    return {
-        "kl/per_token": global_sum(accelerator, torch.where(mask.bool(), kl, 0.0).sum()) / max(tokens, 1.0),
-        "kl/per_sequence": global_sum(accelerator, per_sequence.sum()) / max(global_sum(accelerator, len(kl)), 1.0),
-    }
-
-
-class StatsAccumulator:
-    """Weighted means (keys ending in ``_max`` / ``_min``: extremes) of detached scalars over
-    micro-batches and processes. A stat nothing contributed to (every part ``empty``) is NaN, not 0."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weights: dict[str, float] = defaultdict(float)
-        self.maxima: dict[str, float] = {}
-        self.minima: dict[str, float] = {}
-
-    def add(self, stats: dict[str, torch.Tensor], weight: float, empty: bool = False) -> None:
-        """``empty``: the part had nothing to measure (no valid token); its keys are kept (every process
-        reduces the same keys) but its values are not."""
-        for key, value in stats.items():
-            if key.endswith("_max"):
-                self.maxima[key] = _extreme(max, self.maxima.get(key, -math.inf), -math.inf if empty else value)
-            elif key.endswith("_min"):
-                self.minima[key] = _extreme(min, self.minima.get(key, math.inf), math.inf if empty else value)
-            else:
-                self.sums[key] += 0.0 if empty else float(value) * weight
-                self.weights[key] += 0.0 if empty else weight
-
-    def result(self, accelerator, prefix: str = "") -> dict[str, float]:
-        out = {}
-        for key in sorted(self.sums):
-            weight = global_sum(accelerator, self.weights[key])
-            out[prefix + key] = global_sum(accelerator, self.sums[key]) / weight if weight > 0 else math.nan
-        device = accelerator.device
-        for key, value in self.maxima.items():
-            high = float(accelerator.gather(torch.tensor([value], device=device)).max())
-            out[prefix + key] = math.nan if high == -math.inf else high
-        for key, value in self.minima.items():
-            low = float(accelerator.gather(torch.tensor([value], device=device)).min())
-            out[prefix + key] = math.nan if low == math.inf else low
-        return out
-
-
-def _extreme(pick, current: float, value) -> float:
-    """``pick`` (max or min) of two numbers, NaN when either is: a NaN ratio must show, not vanish."""
-    value = float(value)
-    return math.nan if math.isnan(current) or math.isnan(value) else pick(current, value)
+    tokens, total, sequences, rows = global_sums(
+        accelerator, mask.sum(), torch.where(mask.bool(), kl, 0.0).sum(), per_sequence.sum(), len(kl)
+    )
+    return {"kl/per_token": total / max(tokens, 1.0), "kl/per_sequence": sequences / max(rows, 1.0)}
 
 
 def advantage_metrics(accelerator, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Mean and std of the advantages over the valid tokens of every process."""
     valid = mask.bool()
-    count = max(global_sum(accelerator, valid.sum()), 1.0)
-    mean = global_sum(accelerator, torch.where(valid, advantages, 0.0).sum()) / count
-    mean_sq = global_sum(accelerator, torch.where(valid, advantages.square(), 0.0).sum()) / count
+    count, total, total_sq = global_sums(
+        accelerator,
+        valid.sum(),
+        torch.where(valid, advantages, 0.0).sum(),
+        torch.where(valid, advantages.square(), 0.0).sum(),
+    )
+    mean, mean_sq = total / max(count, 1.0), total_sq / max(count, 1.0)
     return {"advantages/mean": mean, "advantages/std": max(mean_sq - mean**2, 0.0) ** 0.5}

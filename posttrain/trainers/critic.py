@@ -7,22 +7,23 @@
 
 Interface: ``policy_forward`` (the policy's training forward: log-probs, values or None, entropy),
 ``values`` (V(s_t) of rollout rows, for GAE), ``joint_loss`` (what the critic adds to the policy's
-loss), ``step`` (its own optimizer step on a minibatch), ``models_to_save`` and ``nonfinite_skips``.
+loss), ``step`` (its own optimizer step on a minibatch: its updates for ``StepStats`` and its numbers),
+``models_to_save`` and ``nonfinite_skips``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from posttrain.core import masked_mean, value_loss
+from posttrain.core import aggregate_loss, value_loss
 from posttrain.models import PolicyWithValueHead, ValueModel, load_critic
 from posttrain.rollout import Rollout
 from posttrain.runtime import engines
 from posttrain.runtime.loop import NonFiniteGuard, build_optimizer
-from posttrain.runtime.online import Optimized, policy_logprobs, train_minibatch
+from posttrain.runtime.online import policy_logprobs
+from posttrain.runtime.update import MinibatchUpdate, Optimized
 
 
 @dataclass
@@ -39,13 +40,12 @@ class PPOBatch:
 
 
 def value_objective(config, values, batch: PPOBatch, s: slice) -> tuple[torch.Tensor, dict]:
-    """(clipped value loss of ``values`` [b, T] on rows ``s`` of ``batch``, {value_loss, value_clipfrac})."""
-    mask, old_values = batch.mask[s], batch.old_values[s]
-    loss = value_loss(
-        values, old_values, batch.returns[s], mask, config.vf_clip, config.loss_agg, config.sampling.max_new_tokens
-    )
-    clipped = (values.detach() - old_values).abs() > (config.vf_clip or math.inf)
-    return loss, {"value_loss": loss.detach(), "value_clipfrac": masked_mean(clipped.float(), mask)}
+    """(clipped value loss of ``values`` [b, T] on rows ``s`` of ``batch``, reduced by ``loss_agg``;
+    {value_loss, value_clipfrac})."""
+    mask = batch.mask[s]
+    per_token, stats = value_loss(values, batch.old_values[s], batch.returns[s], mask, clip_range=config.vf_clip)
+    loss = aggregate_loss(per_token, mask, config.loss_agg, config.sampling.max_new_tokens)
+    return loss, {"value_loss": loss.detach(), **stats}
 
 
 class SeparateCritic:
@@ -75,20 +75,18 @@ class SeparateCritic:
         """Nothing: the separate critic has a loss and an optimizer step of its own."""
         return 0.0, {}
 
-    def step(self, step: int, batch: PPOBatch) -> dict[str, float]:
+    def step(self, step: int, batch: PPOBatch) -> tuple[tuple[MinibatchUpdate, ...], dict[str, float]]:
         """One optimizer step of the critic on the minibatch, after the policy's: under fp16 each
         optimizer's gradients are scaled, unscaled and stepped within one cycle of accelerate's shared
-        GradScaler. Returns the value stats and ``critic_grad_norm``."""
-        stats, grad_norm = train_minibatch(
-            self.accelerator,
-            self.trained,
-            step,
-            batch.mask,
-            self.config.loss_agg,
-            self.config.run.micro_batch_size,
-            lambda s: value_objective(self.config, self.values(batch.rollout, s), batch, s),
+        GradScaler. Returns (its update, whose value stats ``StepStats`` reduces; {critic_grad_norm})."""
+        update = MinibatchUpdate(
+            self.accelerator, self.trained, batch.mask, self.config.loss_agg, self.config.run.micro_batch_size
         )
-        return {**stats, "critic_grad_norm": grad_norm}
+        for micro in update:  # gradients synchronised on the last micro-batch only
+            values = self.values(batch.rollout, micro.rows)
+            loss, stats = value_objective(self.config, values, batch, micro.rows)
+            update.backward(micro, loss, stats)
+        return (update,), {"critic_grad_norm": update.step(step)}
 
     def models_to_save(self) -> dict[str, torch.nn.Module]:
         return {"critic": self.model}
@@ -124,8 +122,8 @@ class SharedValueHead:
         loss, stats = value_objective(self.config, values, batch, s)
         return self.config.vf_coef * loss, stats
 
-    def step(self, step: int, batch: PPOBatch) -> dict[str, float]:
-        return {}  # stepped with the policy
+    def step(self, step: int, batch: PPOBatch) -> tuple[tuple, dict[str, float]]:
+        return (), {}  # stepped with the policy
 
     def models_to_save(self) -> dict[str, torch.nn.Module]:
         return {}  # the head is saved with the policy (value_head.safetensors)

@@ -61,16 +61,13 @@ from posttrain.runtime.config import (
 from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
 from posttrain.runtime.online import (
     OnlineTrainer,
-    Optimized,
-    StatsAccumulator,
     first_minibatch_metrics,
-    micro_slices,
     minibatches,
     old_logprobs_of,
     reference_logprobs,
-    train_minibatch,
 )
 from posttrain.runtime.runlock import holds_run_dir
+from posttrain.runtime.update import MinibatchUpdate, Optimized, StepStats, micro_slices
 
 DISTILL_LOSSES = ("reverse_kl", "jsd")
 
@@ -394,7 +391,7 @@ class DistillTrainer(OnlineTrainer):
         """``minibatches`` shuffled minibatches, one optimizer step each. Returns (the policy metrics of the
         step, the teacher's log-probs [B, T] of the sampled tokens that loss=jsd's passes read; else 0s)."""
         cfg, acc = self.config, self.accelerator
-        stats, first = StatsAccumulator(), None
+        stats = StepStats()  # on the device until one reduction at the end of the step
         teacher_logprobs = torch.zeros_like(old_logprobs)
         shuffle = cfg.minibatches > 1
         for _, rows in minibatches(len(rollout), 1, cfg.minibatches, cfg.run.seed, step, shuffle):
@@ -405,23 +402,16 @@ class DistillTrainer(OnlineTrainer):
                 None if advantages is None else advantages[rows],
                 torch.zeros_like(old_logprobs[rows]),
             )
-            result, grad_norm = train_minibatch(
-                acc,
-                self.actor,
-                step,
-                batch.mask,
-                cfg.loss_agg,
-                cfg.run.micro_batch_size,
-                lambda s, batch=batch: self.loss(batch, s),
-            )
+            update = MinibatchUpdate(acc, self.actor, batch.mask, cfg.loss_agg, cfg.run.micro_batch_size)
+            for micro in update:  # none when no response token of the minibatch trains: no step either
+                loss, loss_stats = self.loss(batch, micro.rows)
+                update.backward(micro, loss, loss_stats)  # ∇(loss · share): its part of the minibatch's mean
             teacher_logprobs[rows] = batch.teacher_logprobs
-            if not result:  # no response token in this minibatch: no update
-                continue
-            first = first or result
-            stats.add({**result, "grad_norm": grad_norm}, 1.0)
+            if not update.empty:
+                stats.add(update, grad_norm=update.step(step))
         out = {("policy/" + k if k != "grad_norm" else k): v for k, v in stats.result(acc).items()}
-        if first is not None and cfg.loss == "reverse_kl":
-            out.update(first_minibatch_metrics(first))
+        if stats.first is not None and cfg.loss == "reverse_kl":
+            out.update(first_minibatch_metrics(stats.first))
         return out, teacher_logprobs
 
     def loss(self, batch: DistillBatch, s: slice) -> tuple[torch.Tensor, dict]:
@@ -430,17 +420,16 @@ class DistillTrainer(OnlineTrainer):
         rollout, mask, length = batch.rollout, batch.mask[s], batch.rollout.response_length
         if cfg.loss == "reverse_kl":
             logprobs = self.logprobs_of(rollout, s)
-            loss, stats = ppo_policy_loss(
+            pg, stats = ppo_policy_loss(
                 logprobs,
                 batch.old_logprobs[s],
                 batch.advantages[s],
                 mask,
-                cfg.clip_low,
-                cfg.clip_high,
-                cfg.loss_agg,
-                norm_length=cfg.sampling.max_new_tokens,
-            )
-            return loss, {**stats, "loss": loss.detach()}
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+            )  # [b, T]
+            loss = aggregate_loss(pg, mask, cfg.loss_agg, cfg.sampling.max_new_tokens)
+            return loss, {**stats, "pg_loss": loss.detach(), "loss": loss.detach()}
         ids, attention = rollout.input_ids[s].to(device), rollout.attention_mask[s].to(device)
         teacher_logits = self.teacher.response_logits(ids, attention, length).to(device)  # [b, T, V], no grad
         student_logits = response_logits(self.actor.model, ids, attention, length)  # [b, T, V]

@@ -31,9 +31,12 @@ from posttrain.core import (
     AGGREGATION_MODES,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    aggregate_loss,
     gae,
     group_advantages,
     kl_penalty,
+    masked_mean,
+    masked_sum,
     rloo_advantages,
     shape_rewards,
 )
@@ -58,8 +61,6 @@ from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer, 
 from posttrain.runtime.online import (
     OffPolicyTally,
     OnlineTrainer,
-    Optimized,
-    StatsAccumulator,
     advantage_metrics,
     check_episodes,
     first_minibatch_metrics,
@@ -70,10 +71,10 @@ from posttrain.runtime.online import (
     old_logprobs_of,
     policy_logprobs,
     reference_logprobs,
-    train_minibatch,
 )
 from posttrain.runtime.prefix import check_shared_prefix, resolve_shared_prefix
 from posttrain.runtime.runlock import holds_run_dir
+from posttrain.runtime.update import MinibatchUpdate, Optimized, StepStats
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
 REWARD_SCALES = ("group", "batch", "none")
@@ -530,52 +531,43 @@ class GRPOTrainer(OnlineTrainer):
     # -- 5. policy update ---------------------------------------------------------------------------
 
     def update(self, step: int, rollout: Rollout, old_logprobs, ref_logprobs, advantages, mask) -> dict:
-        """μ = ``num_iterations`` passes over ``minibatches`` minibatches (shuffled when more than one),
-        one optimizer step each. Returns the policy metrics of the step; ``entropy`` is the token mean
-        over the first pass (the sampling policy's)."""
+        """μ = ``num_iterations`` passes over ``minibatches`` minibatches (shuffled when more than one), one
+        optimizer step each: per micro-batch forward, per-token loss, ``loss_agg``, backward of its share; then
+        the step. Returns the policy metrics of the step, reduced over the processes at once; ``entropy`` is
+        the token mean over the first pass (the sampling policy's)."""
         cfg, acc = self.config, self.accelerator
-        stats, first, entropy = StatsAccumulator(), None, [0.0, 0.0]  # Σ entropy, tokens
-
-        def loss_fn(batch: GRPOBatch, s: slice, iteration: int):
-            loss, loss_stats, token_entropy = self.policy_loss(batch, s, with_entropy=iteration == 0)
-            if token_entropy is not None:
-                valid = batch.mask[s].bool()
-                entropy[0] += float(torch.where(valid, token_entropy, 0.0).sum())
-                entropy[1] += float(valid.sum())
-            return loss, loss_stats
-
-        shuffle = cfg.minibatches > 1
+        stats = StepStats()  # on the device until one reduction at the end of the step
         self.tally = OffPolicyTally() if old_logprobs is None else None
+        shuffle = cfg.minibatches > 1
         for iteration, rows in minibatches(
             len(rollout), cfg.num_iterations, cfg.minibatches, cfg.run.seed, step, shuffle
         ):
             ref = None if ref_logprobs is None or cfg.kl_in != "loss" else ref_logprobs[rows]
             old = None if old_logprobs is None else old_logprobs[rows]
             batch = GRPOBatch(rollout.select(rows), mask[rows], advantages[rows], old, ref)
-            result, grad_norm = train_minibatch(
-                acc,
-                self.actor,
-                step,
-                batch.mask,
-                cfg.loss_agg,
-                cfg.run.micro_batch_size,
-                lambda s, batch=batch, iteration=iteration: loss_fn(batch, s, iteration),
-            )
-            if not result:  # no token of this minibatch trains (unscored or masked rows): no update
+            update = MinibatchUpdate(acc, self.actor, batch.mask, cfg.loss_agg, cfg.run.micro_batch_size)
+            if update.empty:  # no token of this minibatch trains (unscored or masked rows): no forward, no step
                 continue
-            first = first or result
-            stats.add({**result, "grad_norm": grad_norm}, 1.0)
-        out = {("policy/" + k if k != "grad_norm" else k): v for k, v in stats.result(acc).items()}
-        out["entropy"] = global_sum(acc, entropy[0]) / max(global_sum(acc, entropy[1]), 1.0)
+            for micro in update:  # gradients synchronised on the last micro-batch only
+                loss, loss_stats, entropy = self.policy_loss(batch, micro.rows, with_entropy=iteration == 0)
+                update.backward(micro, loss, loss_stats)  # ∇(loss · share): its part of the minibatch's mean
+                if entropy is not None:  # the sampling policy's entropy, over the first pass's tokens
+                    stats.sums.add("entropy", masked_sum(entropy, batch.mask[micro.rows]))
+                    stats.sums.add("tokens", batch.mask[micro.rows].bool().sum())
+            stats.add(update, grad_norm=update.step(step))
+        off_policy = () if self.tally is None else (self.tally.tally,)
+        out = {("policy/" + k if k != "grad_norm" else k): v for k, v in stats.result(acc, *off_policy).items()}
+        sums = stats.sums.reduced
+        out["entropy"] = sums.get("entropy", 0.0) / max(sums.get("tokens", 0.0), 1.0)
         if self.tally is not None:
-            out.update(self.tally.result(acc, cfg.rollout.importance_sampling != "none"))
-        return {**out, **first_minibatch_metrics(first)}
+            out.update(self.tally.metrics(cfg.rollout.importance_sampling != "none"))
+        return {**out, **first_minibatch_metrics(stats.first)}
 
     def policy_loss(self, batch: GRPOBatch, s: slice, with_entropy: bool):
-        """(the ``policy_loss`` surrogate (PPO-clipped, GSPO or CISPO) with the KL to the reference in the
-        loss when kl_in=loss, reduced by ``loss_agg``; its stats with ``loss``; the token entropy [b, T] or
-        None) of rows ``s``."""
-        cfg = self.config
+        """(the loss of rows ``s``: the ``policy_loss`` surrogate per token (PPO-clipped, GSPO or CISPO) plus
+        β·KL to the reference when kl_in=loss, reduced by ``loss_agg`` (DeepSeekMath eq. 3); its stats; the
+        token entropy [b, T] or None)."""
+        cfg, mask = self.config, batch.mask[s]
         logprobs, entropy = policy_logprobs(
             self.actor.model, batch.rollout, s, self.accelerator.device, with_entropy=with_entropy, shared=self.shared
         )
@@ -586,20 +578,17 @@ class GRPOTrainer(OnlineTrainer):
             advantages = self.corrected_advantages(batch, s, old, advantages)
         else:
             old = old[s]
-        loss, stats = POLICY_LOSSES[cfg.policy_loss](
-            logprobs,
-            old,
-            advantages,
-            batch.mask[s],
-            cfg.clip_low,
-            cfg.clip_high,
-            cfg.loss_agg,
-            None if batch.ref_logprobs is None else batch.ref_logprobs[s],
-            cfg.kl_coef,
-            cfg.kl_estimator,
-            norm_length=cfg.sampling.max_new_tokens,
-        )
-        return loss, {**stats, "loss": loss.detach()}, entropy
+        pg, stats = POLICY_LOSSES[cfg.policy_loss](
+            logprobs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high
+        )  # [b, T]
+        ref = batch.ref_logprobs  # None: no KL in the loss (kl_coef = 0, or kl_in=reward)
+        kl = torch.zeros_like(pg) if ref is None else kl_penalty(logprobs, ref[s], cfg.kl_estimator, mask=mask)
+        norm_length = cfg.sampling.max_new_tokens  # L of seq-mean-token-sum-norm
+        loss = aggregate_loss(pg + cfg.kl_coef * kl, mask, cfg.loss_agg, norm_length)  # DeepSeekMath eq. 3
+        stats.update(loss=loss.detach(), pg_loss=aggregate_loss(pg.detach(), mask, cfg.loss_agg, norm_length))
+        if ref is not None:
+            stats["kl"] = masked_mean(kl, mask).detach()
+        return loss, stats, entropy
 
     def single_pass(self, rollout: Rollout) -> bool:
         """An asynchronous batch trained in one pass over one minibatch: π_old is that pass's forward,

@@ -47,16 +47,14 @@ from posttrain.runtime.config import (
 from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
 from posttrain.runtime.online import (
     OnlineTrainer,
-    Optimized,
-    StatsAccumulator,
     global_min,
     minibatches,
     policy_logprobs,
     reference_logprobs,
-    train_minibatch,
 )
 from posttrain.runtime.prefix import check_shared_prefix, resolve_shared_prefix
 from posttrain.runtime.runlock import holds_run_dir
+from posttrain.runtime.update import MinibatchUpdate, Optimized, StepStats, Tally
 
 PAIRINGS = ("best_worst", "all")
 REFERENCE_MODES = ("auto", "copy", "adapter")
@@ -322,37 +320,35 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     def update(self, step: int, batch: PairBatch) -> dict[str, float]:
         """One optimizer step per minibatch of pairs (shuffled when more than one), each the gradient of
-        the mean DPO loss over its pairs (``online.train_minibatch``: micro-batches of pairs, normalised
-        over every process). Returns the loss, implicit-reward and KL metrics of the step."""
+        the mean DPO loss over its pairs (``online.MinibatchUpdate``: micro-batches of pairs, normalised
+        over every process). Returns the loss, implicit-reward and KL metrics of the step, reduced over the
+        processes at once."""
         cfg, acc = self.config, self.accelerator
-        stats, kl = StatsAccumulator(), torch.zeros(3, dtype=torch.float64)  # Σ k1, tokens, responses
+        stats = StepStats()  # on the device until one reduction at the end of the step
         shuffle = cfg.minibatches > 1
         for _, pairs in minibatches(len(batch.valid), 1, cfg.minibatches, cfg.run.seed, step, shuffle):
             part = batch.select(pairs)
-            result, grad_norm = train_minibatch(
-                acc,
-                self.actor,
-                step,
-                part.valid[:, None],  # one loss unit per valid pair
-                "token-mean",
-                cfg.run.micro_batch_size,
-                lambda s, part=part: self.pair_loss(part, s, kl),
-            )
-            if result:  # a minibatch of padding pairs only is no update
-                stats.add({**result, "grad_norm": grad_norm}, 1.0)
+            # one loss unit per valid pair; a minibatch of padding pairs only is no update
+            update = MinibatchUpdate(acc, self.actor, part.valid[:, None], "token-mean", cfg.run.micro_batch_size)
+            for micro in update:  # gradients synchronised on the last micro-batch only
+                loss, loss_stats = self.pair_loss(part, micro.rows, stats.sums)
+                update.backward(micro, loss, loss_stats)  # ∇(loss · share): its part of the minibatch's mean
+            if not update.empty:
+                stats.add(update, grad_norm=update.step(step))
         out = stats.result(acc)
-        sums = [global_sum(acc, float(x)) for x in kl]
-        out["kl/per_token"] = sums[0] / max(sums[1], 1.0)
-        out["kl/per_sequence"] = sums[0] / max(sums[2], 1.0)
-        out["tokens_trained"] = sums[1]
+        kl = stats.sums.reduced
+        out["kl/per_token"] = kl.get("k1", 0.0) / max(kl.get("tokens", 0.0), 1.0)
+        out["kl/per_sequence"] = kl.get("k1", 0.0) / max(kl.get("responses", 0.0), 1.0)
+        out["tokens_trained"] = kl.get("tokens", 0.0)
         return out
 
-    def pair_loss(self, part: PairBatch, s: slice, kl: torch.Tensor):
+    def pair_loss(self, part: PairBatch, s: slice, kl: Tally):
         """(the mean DPO loss over the valid pairs of ``s``, its stats) of pairs ``s`` of a minibatch.
 
         log π(y|x) = Σ_t log π(y_t|x, y_<t) over the response tokens (τ = 1); the loss and the implicit
         rewards β·(log π − log π_ref) are ``core.dpo_loss``'s. Adds Σ k1 = Σ (log π − log π_ref) over the
-        valid pairs' response tokens, their token count and their response count to ``kl``."""
+        valid pairs' response tokens (``k1``), their token count (``tokens``) and their response count
+        (``responses``) to ``kl``."""
         cfg, device = self.config, self.accelerator.device
         rows = slice(2 * s.start, 2 * s.stop)
         logprobs, _ = policy_logprobs(self.actor.model, part.rollout, rows, device, shared=self.shared)  # [2b, T]
@@ -365,7 +361,9 @@ class OnlineDPOTrainer(OnlineTrainer):
         valid = part.valid[s].to(device)
         counted = mask & valid.repeat_interleave(2)[:, None]
         k1 = torch.where(counted, logprobs.detach() - ref_logprobs, 0.0)
-        kl += torch.stack([k1.sum().double(), counted.sum().double(), 2 * valid.sum().double()]).cpu()
+        kl.add("k1", k1.sum())
+        kl.add("tokens", counted.sum())
+        kl.add("responses", 2 * valid.sum())
         stats = {
             "loss": masked_mean(losses.detach(), valid),
             "rewards/chosen": masked_mean(chosen_rewards, valid),

@@ -59,19 +59,17 @@ from posttrain.runtime.config import (
 from posttrain.runtime.loop import PhaseTimer, global_sum
 from posttrain.runtime.online import (
     OnlineTrainer,
-    StatsAccumulator,
     advantage_metrics,
     check_episodes,
     first_minibatch_metrics,
     gather_whiten,
     kl_metrics,
-    micro_slices,
     minibatches,
     old_logprobs_of,
     reference_logprobs,
-    train_minibatch,
 )
 from posttrain.runtime.runlock import holds_run_dir
+from posttrain.runtime.update import MinibatchUpdate, StepStats, micro_slices
 from posttrain.trainers.critic import PPOBatch, build_critic
 
 CRITIC_MODES = ("reward", "policy", "shared")
@@ -338,51 +336,43 @@ class PPOTrainer(OnlineTrainer):
     # -- 5. PPO epochs ---------------------------------------------------------------------------------
 
     def update(self, step, rollout, old_logprobs, old_values, advantages, returns, mask) -> dict:
-        """``ppo_epochs`` passes over shuffled minibatches; per minibatch one policy step, then one critic
-        step (a separate critic). Returns the policy/critic metrics of the step."""
+        """``ppo_epochs`` passes over shuffled minibatches; per minibatch one policy step (per micro-batch
+        forward, per-token loss, ``loss_agg``, backward of its share), then one critic step (a separate
+        critic). Returns the policy/critic metrics of the step, reduced over the processes at once."""
         cfg, acc = self.config, self.accelerator
-        stats, first = StatsAccumulator(), None
+        stats = StepStats()  # on the device until one reduction at the end of the step
         for _, rows in minibatches(len(rollout), cfg.ppo_epochs, cfg.minibatches, cfg.run.seed, step):
             batch = PPOBatch(
                 rollout.select(rows), mask[rows], advantages[rows], returns[rows], old_logprobs[rows], old_values[rows]
             )
-            result, grad_norm = train_minibatch(
-                acc,
-                self.actor,
-                step,
-                batch.mask,
-                cfg.loss_agg,
-                cfg.run.micro_batch_size,
-                lambda s, batch=batch: self.policy_loss(batch, s),
-            )
-            result.update(self.critic.step(step, batch))
-            first = first or result
-            stats.add({**result, "grad_norm": grad_norm}, 1.0)
+            update = MinibatchUpdate(acc, self.actor, batch.mask, cfg.loss_agg, cfg.run.micro_batch_size)
+            for micro in update:  # gradients synchronised on the last micro-batch only
+                loss, loss_stats = self.policy_loss(batch, micro.rows)
+                update.backward(micro, loss, loss_stats)  # ∇(loss · share): its part of the minibatch's mean
+            grad_norm = update.step(step)
+            critic_updates, critic_numbers = self.critic.step(step, batch)  # a separate critic's own step
+            stats.add(update, *critic_updates, **critic_numbers, grad_norm=grad_norm)
         out = {("policy/" + k if k not in UNPREFIXED else k): v for k, v in stats.result(acc).items()}
-        return {**out, **first_minibatch_metrics(first)}
+        return {**out, **first_minibatch_metrics(stats.first)}
 
     def policy_loss(self, batch: PPOBatch, s: slice) -> tuple[torch.Tensor, dict]:
-        """The ``policy_loss`` surrogate (PPO-clipped, GSPO-token or CISPO) − entropy_coef · entropy
-        (+ vf_coef · value loss with a shared value head) of rows ``s``, each reduced by ``loss_agg`` with
-        the constant ``max_new_tokens`` of seq-mean-token-sum-norm."""
+        """The loss of rows ``s``: the ``policy_loss`` surrogate (PPO-clipped, GSPO-token or CISPO) minus
+        entropy_coef · entropy per token, reduced by ``loss_agg`` with the constant ``max_new_tokens`` of
+        seq-mean-token-sum-norm (Schulman et al. 2017, eq. 9), + vf_coef · value loss with a shared value
+        head; and its stats."""
         cfg, mask = self.config, batch.mask[s]
         agg, norm_length = cfg.loss_agg, cfg.sampling.max_new_tokens
         logprobs, values, entropy = self.critic.policy_forward(
             batch.rollout, s, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
         )
-        pg_loss, stats = POLICY_LOSSES[cfg.policy_loss](
-            logprobs,
-            batch.old_logprobs[s],
-            batch.advantages[s],
-            mask,
-            cfg.clip_low,
-            cfg.clip_high,
-            agg,
-            norm_length=norm_length,
-        )
+        pg, stats = POLICY_LOSSES[cfg.policy_loss](
+            logprobs, batch.old_logprobs[s], batch.advantages[s], mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high
+        )  # [b, T]
+        pg_loss = aggregate_loss(pg, mask, agg, norm_length)
         value_term, value_stats = self.critic.joint_loss(values, batch, s)
         loss = pg_loss - cfg.entropy_coef * aggregate_loss(entropy, mask, agg, norm_length) + value_term
-        return loss, {**stats, **value_stats, "entropy": masked_mean(entropy, mask).detach()}
+        stats.update(pg_loss=pg_loss.detach(), entropy=masked_mean(entropy, mask).detach())
+        return loss, {**stats, **value_stats}
 
     # -- state ----------------------------------------------------------------------------------------
 
