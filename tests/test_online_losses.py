@@ -328,10 +328,10 @@ def test_groups_with_unscored_rows_use_the_scored_rows_only(files, estimator):
 
 class Reductions:
     """What a GRPO update reduces and reads back, counted on one process: calls that are collectives on several
-    (accelerate's ``reduce`` and ``gather``, ``global_sum``, which skips its collective on one process and is
-    counted as the one it would make) and host syncs (``item``, ``tolist``, ``float``, ``int``, ``bool`` of a
-    tensor) made by the update's own code (``runtime/update.py``, ``runtime/online.py``, ``runtime/loop.py``,
-    ``trainers/grpo.py``; the model's forward is not counted)."""
+    (accelerate's ``reduce`` and ``gather``; ``global_sum`` and ``global_min``, which skip their collective on one
+    process and are counted as the one they would make) and host syncs (``item``, ``tolist``, ``float``, ``int``,
+    ``bool`` of a tensor) made by the update's own code (``runtime/update.py``, ``runtime/online.py``,
+    ``runtime/loop.py``, ``trainers/grpo.py``; the model's forward is not counted)."""
 
     FILES = (
         "posttrain/runtime/update.py",
@@ -347,7 +347,9 @@ class Reductions:
         for name in ("reduce", "gather"):
             monkeypatch.setattr(trainer.accelerator, name, self._collective(getattr(trainer.accelerator, name)))
         for module in (online, grpo):
-            monkeypatch.setattr(module, "global_sum", self._collective(module.global_sum))
+            for name in ("global_sum", "global_min"):
+                if hasattr(module, name):
+                    monkeypatch.setattr(module, name, self._collective(getattr(module, name)))
         for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
             monkeypatch.setattr(torch.Tensor, name, self._sync(getattr(torch.Tensor, name)))
 
@@ -385,3 +387,38 @@ def test_a_grpo_update_reduces_its_statistics_once_whatever_its_micro_batches(fi
     assert counts[1] == counts[4]
     assert counts[4][0] == 2 * 2 + 1
     assert metrics[1].keys() == metrics[4].keys() and "policy/clipfrac" in metrics[4]
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_a_grpo_step_reduces_its_logged_metrics_once(files, kl_coef):
+    """A whole GRPO step (``train_step`` and ``end_step``: rollout, rewards, advantages, two minibatches, the
+    response metrics), without and with the reference's KL metrics: only the collectives that steer the step
+    (3 global_min: the prompts to draw, then none left, the groups to train; 1 whether any token trains; 2 per
+    minibatch) and 2 for what is only logged (the update's statistics; every other metric, ``step_metrics``),
+    however many metrics the step logs. The logged values are those of their definitions."""
+    config = _grpo_config(files, "minibatches=2", f"kl_coef={kl_coef}", "run.max_steps=1", "run.save_every=null")
+    trainer, logged, counted, returned = GRPOTrainer(config), {}, [], []
+
+    def counting(method):
+        def wrapped(*args, **kwargs):
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                reductions = Reductions(monkeypatch, trainer)
+                out = method(*args, **kwargs)
+            counted.append(reductions.collectives)
+            returned.append(out)
+            return out
+
+        return wrapped
+
+    trainer.train_step, trainer.end_step = counting(trainer.train_step), counting(trainer.end_step)
+    trainer.train(callbacks=(lambda step, metrics: logged.update(metrics),))
+    assert sum(counted) == 3 + 1 + 2 * 2 + 2
+    _, rollout, scores = returned[0]
+    assert logged["reward/std"] == pytest.approx(float(scores.double().std()), rel=1e-12)
+    assert logged["reward/mean"] == pytest.approx(float(scores.double().mean()), rel=1e-12)
+    assert logged["response_length/max"] == float(rollout.response_lengths.max())
+    assert ("kl/per_token" in logged) == (kl_coef > 0)
+    assert {"reward/std", "advantages/std", "groups/zero_variance_share", "response_length/max"} <= logged.keys()
+    assert logged["groups/sampled"] == 4 and logged["groups/dropped"] == 0 and logged["tokens_generated"] > 0
+    assert logged["response_length/mean"] == logged["tokens_generated"] / 8
+    assert 0.0 <= logged["reward/applicable_share"] <= 1.0

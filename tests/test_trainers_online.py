@@ -222,6 +222,7 @@ def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch(noisy_sft, tmp_p
     trainer = GRPOTrainer(config)
     torch.manual_seed(0)
     rollout, scores, _, metrics = trainer.rollout_and_score(PhaseTimer())
+    metrics.update(trainer.step_metrics.flush(trainer.accelerator))  # the group counts, reduced when the step ends
     assert metrics["groups/dropped"] > 0 and metrics["groups/zero_variance_share"] > 0
     assert metrics["groups/trained"] == 8 and len(rollout) == 64  # refilled to 8 prompts × 8
     grouped = scores.view(-1, 8)

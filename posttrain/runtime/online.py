@@ -52,14 +52,12 @@ from posttrain.runtime.loop import (
     PhaseTimer,
     build_accelerator,
     checkpoint_due,
-    global_sum,
-    global_sums,
     save_final,
     split_train_eval,
     start_run,
 )
 from posttrain.runtime.prefix import SharedPrefix, packed_rollout_rows, prompt_cache_applies, unpack_rows
-from posttrain.runtime.update import Tally, micro_slices, reduce_tallies
+from posttrain.runtime.update import StepMetrics, Tally, micro_slices, ratio, reduce_tallies
 
 
 class OnlineTrainer:
@@ -113,6 +111,7 @@ class OnlineTrainer:
         acc.print(f"[{self.name}] training engine: {engines.describe(acc)}")
         self.shared = SharedPrefix(enabled=False)  # a trainer with ``shared_prefix`` resolves it once its models load
         self.producer = None  # the asynchronous producer, started by ``train`` (``start_producer``)
+        self.step_metrics = StepMetrics()  # the step's logged sums, reduced together when it ends
 
     def start_engine(self, policy) -> None:
         """The rollout engine sampling from ``policy`` (the unwrapped trained module) and the monitor."""
@@ -180,10 +179,14 @@ class OnlineTrainer:
         ):
             producer.request(batch, self.sampler.take_for_process(count, self.prompts, acc), n)
         rollout, request, times = producer.take(step)
-        staleness = step - rollout.version.to(torch.float64)
+        staleness, tally = step - rollout.version.to(torch.float64), Tally()
+        tally.add("sum", staleness.sum())
+        tally.add("rows", len(staleness))
+        tally.add("staleness_max", staleness.max())
+        reduce_tallies(acc, tally)  # now, in one collective: the largest staleness decides the batch's fate
         metrics = {
-            "rollout/staleness_mean": global_sum(acc, staleness.sum()) / max(global_sum(acc, len(staleness)), 1.0),
-            "rollout/staleness_max": float(acc.gather(staleness.max()[None].to(acc.device)).max()),
+            "rollout/staleness_mean": tally.reduced["sum"] / max(tally.reduced["rows"], 1.0),
+            "rollout/staleness_max": tally.reduced["staleness_max"],
             "time/wait_rollout": times["wait"],
             "time/producer_idle": times["producer_idle"],
             "time/producer_generate": times["producer_generate"],
@@ -308,6 +311,7 @@ class OnlineTrainer:
                 with timer("sync_weights"), engines.full_parameters(self.accelerator, self.actor.model):
                     self.producer.publish(self.policy, step + 1)
             if rollout is None:
+                metrics.update(self.step_metrics.flush(self.accelerator))
                 self.logger.log(step + 1, metrics)
                 self.logger.advance()
                 self.save_if_due(step + 1)
@@ -343,10 +347,12 @@ class OnlineTrainer:
             self.engine.sync_weights(self.policy)
 
     def end_step(self, done: int, metrics: dict, rollout: Rollout, scores, times: dict, callbacks) -> None:
-        """The tail of every step: response, time and throughput metrics; ``samples.jsonl``; held-out
-        evaluation and alerts (``RunMonitor``); the log; a checkpoint when due (``save_if_due``); callbacks."""
+        """The tail of every step: response, time and throughput metrics, and the step's metric sums reduced
+        over the processes at once (``step_metrics``); ``samples.jsonl``; held-out evaluation and alerts
+        (``RunMonitor``); the log; a checkpoint when due (``save_if_due``); callbacks."""
         cfg, acc = self.config, self.accelerator
-        metrics.update(response_metrics(acc, rollout))
+        response_metrics(self.step_metrics, rollout)
+        metrics.update(self.step_metrics.flush(acc))
         metrics.update(times)
         metrics["train/nonfinite_skips"] = self.nonfinite_skips()
         metrics["tokens_per_s"] = metrics["tokens_generated"] / times["time/step"]
@@ -621,7 +627,13 @@ def policy_logprobs(
 
 
 def old_logprobs_of(
-    accelerator, engine: RolloutEngine, rollout: Rollout, forward, micro_batch_size: int, config: RolloutConfig
+    accelerator,
+    engine: RolloutEngine,
+    rollout: Rollout,
+    forward,
+    micro_batch_size: int,
+    config: RolloutConfig,
+    step: StepMetrics | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """(old_logprobs [B, T], importance weights [B, T] or None, metrics) of a fresh rollout.
 
@@ -631,7 +643,7 @@ def old_logprobs_of(
     rows)``, at the sampling temperature (docs/pitfalls.md #4); the behaviour policy's log-probs that came
     with it are then compared with it (``rollout/logprob_diff_mean|max``, mean and max |π_old − π_behaviour|
     over response tokens in log space) and, when ``config.importance_sampling`` is set, turned into importance
-    weights (``importance_weights``).
+    weights (``importance_weights``). With ``step`` these metrics are reduced at the end of the step (metrics {}).
     """
     if engine.logprobs_exact and rollout.version is None:
         return rollout.logprobs, None, {}
@@ -642,6 +654,9 @@ def old_logprobs_of(
     tally = OffPolicyTally()  # the same gap and weight metrics as a one-pass update's, summed the same way
     valid = rollout.action_mask.bool().to(old.device)
     weights = tally.weights(old, rollout.logprobs.to(old.device), valid, config)
+    if step is not None:
+        step.include(tally.tally, lambda: tally.metrics(weights is not None))
+        return old, weights, {}
     return old, weights, tally.result(accelerator, weights is not None)
 
 
@@ -739,27 +754,37 @@ def global_min(accelerator, value: int) -> int:
     return int(accelerator.gather(tensor).min())
 
 
-def response_metrics(accelerator, rollout: Rollout) -> dict[str, float]:
+def response_metrics(step: StepMetrics, rollout: Rollout) -> None:
     """Response length mean/min/max (the tokens the policy sampled), share truncated and tokens generated,
-    over all processes; with episodes, ``episode_metrics`` too."""
-    lengths = accelerator.gather(rollout.response_lengths.to(accelerator.device)).float()
-    truncated = accelerator.gather(rollout.truncated.to(accelerator.device)).float()
-    out = {
-        "response_length/mean": float(lengths.mean()),
-        "response_length/min": float(lengths.min()),
-        "response_length/max": float(lengths.max()),
-        "truncated_share": float(truncated.mean()),
-        "tokens_generated": float(lengths.sum()),
-    }
+    over all processes, added to ``step``; with episodes, ``episode_metrics`` too."""
+    lengths = rollout.response_lengths.double()
+
+    def finish(t: dict[str, float]) -> dict[str, float]:
+        return {
+            "response_length/mean": ratio(t["length"], t["rows"]),
+            "response_length/min": t["length_min"],
+            "response_length/max": t["length_max"],
+            "truncated_share": ratio(t["truncated"], t["rows"]),
+            "tokens_generated": t["length"],
+        }
+
+    step.add(
+        "response",
+        finish,
+        rows=len(lengths),
+        length=lengths.sum(),
+        length_min=lengths.min(),
+        length_max=lengths.max(),
+        truncated=rollout.truncated.sum(),
+    )
     if rollout.sampled_mask is not None:  # episodes
-        out.update(episode_metrics(accelerator, rollout))
-    return out
+        episode_metrics(step, rollout)
 
 
-def episode_metrics(accelerator, rollout: Rollout) -> dict[str, float]:
+def episode_metrics(step: StepMetrics, rollout: Rollout) -> None:
     """Per episode, over all processes: turns, tool calls and tool errors (means), how episodes ended (the share
     of each of ``posttrain.envs.ENDS``), environment tokens; the seconds ``env.step`` took, summed over the
-    episodes of a process (the largest process's sum)."""
+    episodes of a process (the largest process's sum). Added to ``step``."""
     columns = rollout.columns
     per_episode = torch.tensor(
         [
@@ -770,34 +795,49 @@ def episode_metrics(accelerator, rollout: Rollout) -> dict[str, float]:
             (rollout.response_mask - rollout.action_mask).sum(1).tolist(),
         ],
         dtype=torch.float64,
-        device=accelerator.device,
     )
-    means = accelerator.gather(per_episode.T.contiguous()).mean(0).tolist()
     names = ["turns_mean", "tool_calls_mean", "tool_errors_mean", *(f"end_{e}_share" for e in ENDS), "env_tokens_mean"]
-    seconds = torch.tensor([sum(columns["env_seconds"])], dtype=torch.float64, device=accelerator.device)
-    return {
-        **{f"episode/{k}": v for k, v in zip(names, means, strict=True)},
-        "time/env": float(accelerator.gather(seconds).max()),
-    }
+
+    def finish(t: dict[str, float]) -> dict[str, float]:
+        means = {f"episode/{k}": ratio(t[k], t["episodes"]) for k in names}
+        return {**means, "time/env": t["env_seconds_max"]}
+
+    sums = dict(zip(names, per_episode.sum(1), strict=True))
+    step.add("episode", finish, episodes=per_episode.shape[1], env_seconds_max=sum(columns["env_seconds"]), **sums)
 
 
-def kl_metrics(accelerator, kl: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """KL per token (masked mean) and per sequence (mean of row sums), over all processes."""
+def kl_metrics(step: StepMetrics, kl: torch.Tensor, mask: torch.Tensor) -> None:
+    """KL per token (masked mean) and per sequence (mean of row sums), over all processes, added to ``step``."""
     per_sequence = torch.where(mask.bool(), kl, 0.0).sum(-1)
-    tokens, total, sequences, rows = global_sums(
-        accelerator, mask.sum(), torch.where(mask.bool(), kl, 0.0).sum(), per_sequence.sum(), len(kl)
+
+    def finish(t: dict[str, float]) -> dict[str, float]:
+        return {
+            "kl/per_token": t["total"] / max(t["tokens"], 1.0),
+            "kl/per_sequence": t["sequences"] / max(t["rows"], 1.0),
+        }
+
+    step.add(
+        "kl",
+        finish,
+        tokens=mask.sum(),
+        total=torch.where(mask.bool(), kl, 0.0).sum(),
+        sequences=per_sequence.sum(),
+        rows=len(kl),
     )
-    return {"kl/per_token": total / max(tokens, 1.0), "kl/per_sequence": sequences / max(rows, 1.0)}
 
 
-def advantage_metrics(accelerator, advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Mean and std of the advantages over the valid tokens of every process."""
+def advantage_metrics(step: StepMetrics, advantages: torch.Tensor, mask: torch.Tensor) -> None:
+    """Mean and std of the advantages over the valid tokens of every process, added to ``step``."""
     valid = mask.bool()
-    count, total, total_sq = global_sums(
-        accelerator,
-        valid.sum(),
-        torch.where(valid, advantages, 0.0).sum(),
-        torch.where(valid, advantages.square(), 0.0).sum(),
+
+    def finish(t: dict[str, float]) -> dict[str, float]:
+        mean, mean_sq = t["total"] / max(t["count"], 1.0), t["total_sq"] / max(t["count"], 1.0)
+        return {"advantages/mean": mean, "advantages/std": max(mean_sq - mean**2, 0.0) ** 0.5}
+
+    step.add(
+        "advantages",
+        finish,
+        count=valid.sum(),
+        total=torch.where(valid, advantages, 0.0).sum(),
+        total_sq=torch.where(valid, advantages.square(), 0.0).sum(),
     )
-    mean, mean_sq = total / max(count, 1.0), total_sq / max(count, 1.0)
-    return {"advantages/mean": mean, "advantages/std": max(mean_sq - mean**2, 0.0) ** 0.5}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +181,63 @@ def reduce_tallies(accelerator, *tallies: Tally) -> None:
     picked = torch.where(is_max, everyone.max(0).values, torch.where(is_min, everyone.min(0).values, everyone.sum(0)))
     for (tally, key), value in zip(keys, picked.tolist(), strict=True):
         tally.reduced[key] = value
+
+
+class StepMetrics:
+    """The logged metrics of a step that are sums or extremes over the processes, reduced together, in one
+    collective and one host sync, when the step ends (``flush``), not one reduction per metric. A part of the
+    step adds its local sums (``add``: a ``Tally``'s keys, so ``_max`` / ``_min`` keys keep extremes) with how
+    its metrics follow from their totals; a whole ``Tally`` with its own metrics (``include``); what must wait
+    for the metrics (``then``). Only values that are logged belong here: a reduction whose result steers the
+    step is made where it is needed. A std comes from Σx, Σx² and n (``std_of``)."""
+
+    def __init__(self):
+        self.tally = Tally()
+        self.parts: list[tuple[str, list[str], Callable[[dict[str, float]], dict[str, float]]]] = []
+        self.tallies: list[tuple[Tally, Callable[[], dict[str, float]]]] = []
+        self.callbacks: list[Callable[[dict[str, float]], None]] = []
+
+    def add(self, name: str, finish: Callable[[dict[str, float]], dict[str, float]], **values) -> None:
+        """Local ``values`` (numbers or 0-d tensors) under ``name``; at ``flush``, ``finish`` turns their totals
+        over every process (a dict by the same keywords) into metrics. Every process adds the same keys."""
+        for key, value in values.items():
+            self.tally.add(f"{name}.{key}", value)
+        self.parts.append((name, [*values], finish))
+
+    def include(self, tally: Tally, finish: Callable[[], dict[str, float]]) -> None:
+        """``tally`` reduced in the same collective; then ``finish()`` reads its ``reduced`` into metrics."""
+        self.tallies.append((tally, finish))
+
+    def then(self, callback: Callable[[dict[str, float]], None]) -> None:
+        """``callback(metrics)`` once ``flush`` has them (a control value needed by the next step only)."""
+        self.callbacks.append(callback)
+
+    def flush(self, accelerator) -> dict[str, float]:
+        """The step's metrics, reduced over the processes in one collective; the collector is empty after."""
+        tally, parts, tallies, callbacks = self.tally, self.parts, self.tallies, self.callbacks
+        self.__init__()
+        reduce_tallies(accelerator, tally, *(t for t, _ in tallies))
+        out: dict[str, float] = {}
+        for name, keys, finish in parts:
+            out.update(finish({key: tally.reduced[f"{name}.{key}"] for key in keys}))
+        for _, finish in tallies:
+            out.update(finish())
+        for callback in callbacks:
+            callback(out)
+        return out
+
+
+def ratio(total: float, count: float) -> float:
+    """``total / count``; NaN (nothing to average, not 0) when ``count`` is 0."""
+    return total / count if count else math.nan
+
+
+def std_of(total: float, total_sq: float, count: float) -> float:
+    """The unbiased std (``torch.std``'s, n − 1) of ``count`` values from their Σx and Σx²: sqrt((Σx² − (Σx)²/n)
+    / (n − 1)), 0 for fewer than two values."""
+    if count <= 1:
+        return 0.0
+    return max((total_sq - total * total / count) / (count - 1), 0.0) ** 0.5
 
 
 class StepStats:

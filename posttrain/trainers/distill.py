@@ -58,7 +58,7 @@ from posttrain.runtime.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
+from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer
 from posttrain.runtime.online import (
     OnlineTrainer,
     first_minibatch_metrics,
@@ -67,7 +67,7 @@ from posttrain.runtime.online import (
     reference_logprobs,
 )
 from posttrain.runtime.runlock import holds_run_dir
-from posttrain.runtime.update import MinibatchUpdate, Optimized, StepStats, micro_slices
+from posttrain.runtime.update import MinibatchUpdate, Optimized, StepMetrics, StepStats, micro_slices, ratio, std_of
 
 DISTILL_LOSSES = ("reverse_kl", "jsd")
 
@@ -327,7 +327,7 @@ class DistillTrainer(OnlineTrainer):
         with timer("old_logprobs"):
             if on_policy:
                 old_logprobs, is_weights, mismatch = old_logprobs_of(
-                    acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
+                    acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout, self.step_metrics
                 )
                 metrics.update(mismatch)
             else:  # no sampler drew these tokens: the student's log-probs of them, by the training forward
@@ -349,12 +349,17 @@ class DistillTrainer(OnlineTrainer):
         self.passes["teacher"] += 1  # over every response of the step, once: in step 2 or in the update
         # 5. log
         teacher_logprobs = from_update if teacher_logprobs is None else teacher_logprobs
-        metrics.update(distill_metrics(acc, old_logprobs, teacher_logprobs, mask))
+        distill_metrics(self.step_metrics, old_logprobs, teacher_logprobs, mask)
         metrics.update({f"passes/{k}": v for k, v in self.passes.items()})
         scores = reverse_kl_advantages(old_logprobs, teacher_logprobs, mask).sum(-1)  # −Σ_t k1: the sequence's "reward"
-        metrics["score/mean"] = global_sum(acc, scores.sum()) / global_sum(acc, len(scores))
-        everyone = acc.gather(scores)  # one response per process still has a spread over the processes
-        metrics["score/std"] = float(everyone.std()) if len(everyone) > 1 else 0.0
+        values = scores.double()  # one response per process still has a spread over the processes
+        self.step_metrics.add(
+            "score",
+            lambda t: {"score/mean": t["sum"] / t["rows"], "score/std": std_of(t["sum"], t["sum_sq"], t["rows"])},
+            rows=len(values),
+            sum=values.sum(),
+            sum_sq=values.square().sum(),
+        )
         return metrics, rollout, scores
 
     def batch_of_step(self, on_policy: bool) -> tuple[Rollout, dict]:
@@ -374,12 +379,17 @@ class DistillTrainer(OnlineTrainer):
         return rollout, rollout.columns
 
     def reward_metrics(self, rollout: Rollout, columns: dict) -> dict[str, float]:
-        """reward/mean over the scored rows of every process (NaN when none was), and each function's mean."""
-        acc = self.accelerator
+        """Each function's mean; added to ``step_metrics``: reward/mean over the scored rows of every process
+        (NaN when none was)."""
         out = score_rollout(self.rewards, rollout, columns)
         scored = ~torch.isnan(out.total)
-        count = global_sum(acc, scored.sum())
-        metrics = {"reward/mean": global_sum(acc, out.total[scored].sum()) / count if count else math.nan}
+        self.step_metrics.add(
+            "reward",
+            lambda t: {"reward/mean": ratio(t["sum"], t["scored"])},
+            scored=scored.sum(),
+            sum=out.total[scored].double().sum(),
+        )
+        metrics = {}
         for name, values in out.components.items():
             kept = [v for v in values if v is not None]
             metrics[f"reward/{name}/mean"] = sum(kept) / len(kept) if kept else math.nan
@@ -446,24 +456,35 @@ class DistillTrainer(OnlineTrainer):
         return loss, {**{k: v.detach() for k, v in stats.items()}, "loss": loss.detach()}
 
 
-def distill_metrics(accelerator, logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask) -> dict[str, float]:
-    """Over the response tokens of every process: the per-token reverse KL estimate
+def distill_metrics(step: StepMetrics, logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask) -> None:
+    """Over the response tokens of every process, added to ``step``: the per-token reverse KL estimate
     mean(log π_old − log π_T) (k1 of the sampled tokens), its mean sum per response, and the mean
     log-probs of the sampled tokens under the student that sampled them and under the teacher."""
     valid = mask.bool()
-    tokens = max(global_sum(accelerator, valid.sum()), 1.0)
 
-    def token_mean(values: torch.Tensor) -> float:
-        return global_sum(accelerator, torch.where(valid, values, 0.0).sum()) / tokens
+    def masked_total(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, values, 0.0).sum()
+
+    def finish(t: dict[str, float]) -> dict[str, float]:
+        tokens = max(t["tokens"], 1.0)
+        return {
+            "distill/reverse_kl": t["reverse_kl"] / tokens,
+            "distill/reverse_kl_per_sequence": t["sequences"] / max(t["rows"], 1.0),
+            "distill/teacher_logprob": t["teacher"] / tokens,
+            "distill/student_logprob": t["student"] / tokens,
+        }
 
     per_sequence = torch.where(valid, logprobs - teacher_logprobs, 0.0).sum(-1)
-    return {
-        "distill/reverse_kl": token_mean(logprobs - teacher_logprobs),
-        "distill/reverse_kl_per_sequence": global_sum(accelerator, per_sequence.sum())
-        / max(global_sum(accelerator, len(per_sequence)), 1.0),
-        "distill/teacher_logprob": token_mean(teacher_logprobs),
-        "distill/student_logprob": token_mean(logprobs),
-    }
+    step.add(
+        "distill",
+        finish,
+        tokens=valid.sum(),
+        reverse_kl=masked_total(logprobs - teacher_logprobs),
+        sequences=per_sequence.sum(),
+        rows=len(per_sequence),
+        teacher=masked_total(teacher_logprobs),
+        student=masked_total(logprobs),
+    )
 
 
 @holds_run_dir  # the run folder stays locked until the run ends (runlock)

@@ -57,7 +57,7 @@ from posttrain.runtime.config import (
     validate_sections,
     with_presets,
 )
-from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sum
+from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sums
 from posttrain.runtime.online import (
     OffPolicyTally,
     OnlineTrainer,
@@ -74,7 +74,7 @@ from posttrain.runtime.online import (
 )
 from posttrain.runtime.prefix import check_shared_prefix, resolve_shared_prefix
 from posttrain.runtime.runlock import holds_run_dir
-from posttrain.runtime.update import MinibatchUpdate, Optimized, StepStats
+from posttrain.runtime.update import MinibatchUpdate, Optimized, StepStats, ratio, std_of
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce++")
 REWARD_SCALES = ("group", "batch", "none")
@@ -367,8 +367,9 @@ class GRPOTrainer(OnlineTrainer):
                 acc.print(f"[grpo] step {step + 1}: every sampled group had equal rewards; no update")
             return metrics, None, None
         mask = self.loss_mask(rollout, applicable)
-        if global_sum(acc, mask.sum()) == 0:  # nothing to train on: no update, no policy metrics (not 0s)
-            if global_sum(acc, applicable.sum()) > 0:  # unscored rows were announced by the reward composer
+        trainable, scored = global_sums(acc, mask.sum(), applicable.sum())
+        if trainable == 0:  # nothing to train on: no update, no policy metrics (not 0s)
+            if scored > 0:  # unscored rows were announced by the reward composer
                 self.console_warning(
                     f"step {step + 1}: every scored response hit max_new_tokens and mask_truncated leaves it out; "
                     "no update"
@@ -380,7 +381,7 @@ class GRPOTrainer(OnlineTrainer):
         if not single_pass:
             with timer("old_logprobs"):
                 old_logprobs, is_weights, mismatch = old_logprobs_of(
-                    acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
+                    acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout, self.step_metrics
                 )
             self.passes["old_logprobs"] += rollout.version is not None or not self.engine.logprobs_exact
             metrics.update(mismatch)
@@ -392,11 +393,11 @@ class GRPOTrainer(OnlineTrainer):
             self.passes["reference"] += 1
             if not single_pass:  # else the update's forward tallies it (OffPolicyTally)
                 kl = kl_penalty(old_logprobs, ref_logprobs, "k1" if cfg.kl_in == "reward" else cfg.kl_estimator)
-                metrics.update(kl_metrics(acc, kl, mask))
+                kl_metrics(self.step_metrics, kl, mask)
         # 4. advantages, shared by every token of a response (but reinforce++'s)
         advantages = self.advantages(scores, applicable, kl, mask)
         adv_tokens = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
-        metrics.update(advantage_metrics(acc, adv_tokens, mask))
+        advantage_metrics(self.step_metrics, adv_tokens, mask)
         if is_weights is not None:  # w·min(r·A, clip(r)·A) = min(r·wA, clip(r)·wA) for w ≥ 0
             advantages = adv_tokens * is_weights
         # 5. μ iterations over minibatches of the clipped surrogate
@@ -456,15 +457,18 @@ class GRPOTrainer(OnlineTrainer):
                 components.setdefault(name, []).extend(values[i] for i in rows)
         # every process trains on the same number of groups (equal micro-batch counts under DDP)
         groups = global_min(self.accelerator, min(sum(len(r) for r in kept) // G, target))
-        metrics = {
-            "groups/zero_variance_share": global_sum(self.accelerator, constant_groups)
-            / max(global_sum(self.accelerator, sampled_groups), 1.0),
-            "groups/sampled": global_sum(self.accelerator, sampled_groups),
-            "groups/trained": groups * self.accelerator.num_processes,
-            "groups/dropped": global_sum(self.accelerator, sampled_groups) - groups * self.accelerator.num_processes,
-            "sampling_tries": tries,
-            **produced,
-        }
+        trained = groups * self.accelerator.num_processes
+        self.step_metrics.add(  # reduced at the end of the step
+            "groups",
+            lambda t: {
+                "groups/zero_variance_share": t["constant"] / max(t["sampled"], 1.0),
+                "groups/sampled": t["sampled"],
+                "groups/dropped": t["sampled"] - trained,
+            },
+            constant=constant_groups,
+            sampled=sampled_groups,
+        )
+        metrics = {"groups/trained": trained, "sampling_tries": tries, **produced}
         if groups == 0:
             return None, None, None, metrics
         rollout = concat_rollouts(kept, self.tokenizer.pad_token_id).select(list(range(groups * G)))
@@ -515,18 +519,23 @@ class GRPOTrainer(OnlineTrainer):
         return mask
 
     def reward_metrics(self, scores: torch.Tensor, applicable: torch.Tensor) -> dict[str, float]:
-        """Mean of the scored rows (NaN, not 0, when none was), applicable share and std of the scores,
-        over all processes; β and the forward passes run so far."""
-        acc = self.accelerator
-        valid_scores = scores[applicable]
-        scored = global_sum(acc, len(valid_scores))
-        return {
-            "reward/mean": global_sum(acc, valid_scores.sum()) / scored if scored else math.nan,
-            "reward/applicable_share": scored / global_sum(acc, len(scores)),
-            "reward/std": float(acc.gather(scores).std()) if len(scores) > 1 else 0.0,
-            "kl_coef": self.config.kl_coef,
-            **{f"passes/{k}": v for k, v in self.passes.items()},
-        }
+        """β and the forward passes run so far; added to ``step_metrics``: the mean of the scored rows (NaN,
+        not 0, when none was), the applicable share and the std of the scores, over all processes."""
+        valid_scores, values = scores[applicable].double(), scores.double()
+        self.step_metrics.add(
+            "reward",
+            lambda t: {
+                "reward/mean": ratio(t["scored_sum"], t["scored"]),
+                "reward/applicable_share": t["scored"] / t["rows"],
+                "reward/std": std_of(t["sum"], t["sum_sq"], t["rows"]),
+            },
+            scored=len(valid_scores),
+            scored_sum=valid_scores.sum(),
+            rows=len(values),
+            sum=values.sum(),
+            sum_sq=values.square().sum(),
+        )
+        return {"kl_coef": self.config.kl_coef, **{f"passes/{k}": v for k, v in self.passes.items()}}
 
     # -- 5. policy update ---------------------------------------------------------------------------
 

@@ -54,7 +54,7 @@ from posttrain.runtime.online import (
 )
 from posttrain.runtime.prefix import check_shared_prefix, resolve_shared_prefix
 from posttrain.runtime.runlock import holds_run_dir
-from posttrain.runtime.update import MinibatchUpdate, Optimized, StepStats, Tally
+from posttrain.runtime.update import MinibatchUpdate, Optimized, StepStats, Tally, ratio, std_of
 
 PAIRINGS = ("best_worst", "all")
 REFERENCE_MODES = ("auto", "copy", "adapter")
@@ -267,18 +267,24 @@ class OnlineDPOTrainer(OnlineTrainer):
     # -- 2-3. scores and pairs ------------------------------------------------------------------------
 
     def reward_metrics(self, out: RewardOutput) -> dict[str, float]:
-        """Mean and std of the scored responses (NaN, not 0, when none was), the scored share, each
-        function's mean and its failure counts, over all processes."""
-        acc, total = self.accelerator, out.total.to(self.accelerator.device)
+        """Each function's mean and its failure counts; added to ``step_metrics``: the mean and std of the
+        scored responses (NaN, not 0, when none was) and the scored share, over all processes."""
+        total = out.total.to(self.accelerator.device).double()
         scored = ~torch.isnan(total)
-        n = global_sum(acc, scored.sum())
-        mean = global_sum(acc, torch.where(scored, total, 0.0).sum()) / n if n else math.nan
-        square = global_sum(acc, torch.where(scored, total - mean, 0.0).square().sum()) if n else math.nan
-        metrics = {
-            "reward/mean": mean,
-            "reward/std": math.sqrt(square / (n - 1)) if n > 1 else 0.0,
-            "reward/applicable_share": n / global_sum(acc, len(total)),
-        }
+        values = torch.where(scored, total, 0.0)
+        self.step_metrics.add(
+            "reward",
+            lambda t: {
+                "reward/mean": ratio(t["sum"], t["scored"]),
+                "reward/std": std_of(t["sum"], t["sum_sq"], t["scored"]),
+                "reward/applicable_share": t["scored"] / t["rows"],
+            },
+            scored=scored.sum(),
+            sum=values.sum(),
+            sum_sq=values.square().sum(),
+            rows=len(total),
+        )
+        metrics = {}
         for name, values in out.components.items():
             valid = [v for v in values if v is not None]
             metrics[f"reward/{name}/mean"] = sum(valid) / len(valid) if valid else math.nan

@@ -56,7 +56,7 @@ from posttrain.runtime.config import (
     reject_ignored,
     validate_sections,
 )
-from posttrain.runtime.loop import PhaseTimer, global_sum
+from posttrain.runtime.loop import PhaseTimer
 from posttrain.runtime.online import (
     OnlineTrainer,
     advantage_metrics,
@@ -69,7 +69,7 @@ from posttrain.runtime.online import (
     reference_logprobs,
 )
 from posttrain.runtime.runlock import holds_run_dir
-from posttrain.runtime.update import MinibatchUpdate, StepStats, micro_slices
+from posttrain.runtime.update import MinibatchUpdate, StepStats, micro_slices, std_of
 from posttrain.trainers.critic import PPOBatch, build_critic
 
 CRITIC_MODES = ("reward", "policy", "shared")
@@ -244,7 +244,7 @@ class PPOTrainer(OnlineTrainer):
         mask = rollout.action_mask  # the tokens the policy sampled: an episode's environment tokens are not actions
         with timer("old_logprobs"):
             old_logprobs, is_weights, metrics = old_logprobs_of(
-                acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout
+                acc, self.engine, rollout, self.logprobs_of, micro, cfg.rollout, self.step_metrics
             )
         metrics.update(produced)
         # 2. reference log-probs and scores
@@ -264,7 +264,7 @@ class PPOTrainer(OnlineTrainer):
         advantages, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             advantages = gather_whiten(acc, advantages, mask)
-        metrics.update(advantage_metrics(acc, advantages, mask))
+        advantage_metrics(self.step_metrics, advantages, mask)
         if is_weights is not None:  # w·min(r·A, clip(r)·A) = min(r·wA, clip(r)·wA) for w ≥ 0
             advantages = advantages * is_weights
         # 5. PPO epochs over minibatches: clipped surrogate (policy), clipped value loss (critic)
@@ -272,7 +272,7 @@ class PPOTrainer(OnlineTrainer):
             metrics.update(self.update(step, rollout, old_logprobs, old_values, advantages, returns, mask))
         # 6. log; adapt β
         metrics.update(critic_metrics(old_values, returns, mask))
-        metrics.update(self.reward_metrics(scores, token_rewards, mask))
+        self.reward_metrics(scores, token_rewards, mask)
         metrics.update(self.adapt_kl_coef(kl, mask))
         return metrics, rollout, scores
 
@@ -280,14 +280,19 @@ class PPOTrainer(OnlineTrainer):
         return self.critic.policy_forward(rollout, rows)[0]
 
     def adapt_kl_coef(self, kl: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-        """The step's KL metrics and β; then β adapted towards kl_target (Ziegler et al. 2019, adaptive_kl)."""
-        cfg, metrics = self.config, kl_metrics(self.accelerator, kl, mask)
-        metrics["kl_coef"] = self.kl_coef
+        """The step's β; its KL metrics added to ``step_metrics``, from which β is adapted towards kl_target
+        when the step ends (Ziegler et al. 2019, adaptive_kl): the next step is the first to use it."""
+        cfg = self.config
+        kl_metrics(self.step_metrics, kl, mask)
         if cfg.adaptive_kl:
-            self.kl_coef = adaptive_kl_coef(
-                self.kl_coef, metrics["kl/per_sequence"], cfg.kl_target, cfg.kl_horizon, cfg.run.batch_size
-            )
-        return metrics
+            self.step_metrics.then(self._adapt)
+        return {"kl_coef": self.kl_coef}
+
+    def _adapt(self, metrics: dict[str, float]) -> None:
+        cfg = self.config
+        self.kl_coef = adaptive_kl_coef(
+            self.kl_coef, metrics["kl/per_sequence"], cfg.kl_target, cfg.kl_horizon, cfg.run.batch_size
+        )
 
     # -- 2. scores ------------------------------------------------------------------------------------
 
@@ -311,8 +316,8 @@ class PPOTrainer(OnlineTrainer):
                     ]
                 ).to(device)
             scores += rm
-            metrics["score/reward_model"] = global_sum(self.accelerator, rm.sum()) / global_sum(
-                self.accelerator, len(rm)
+            self.step_metrics.add(
+                "reward_model", lambda t: {"score/reward_model": t["sum"] / t["rows"]}, sum=rm.sum(), rows=len(rm)
             )
         if self.reward_functions is not None:
             out = score_rollout(self.reward_functions, rollout, columns)
@@ -324,14 +329,22 @@ class PPOTrainer(OnlineTrainer):
             scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
         return scores, metrics
 
-    def reward_metrics(self, scores, token_rewards, mask) -> dict[str, float]:
-        """Mean and std of the sequence scores and mean of the summed token rewards, over all processes."""
-        acc, n = self.accelerator, global_sum(self.accelerator, len(scores))
-        return {
-            "score/mean": global_sum(acc, scores.sum()) / n,
-            "score/std": float(acc.gather(scores).std()) if n > 1 else 0.0,
-            "reward/mean": global_sum(acc, torch.where(mask.bool(), token_rewards, 0.0).sum()) / n,
-        }
+    def reward_metrics(self, scores, token_rewards, mask) -> None:
+        """Mean and std of the sequence scores and mean of the summed token rewards, over all processes, added
+        to ``step_metrics``."""
+        values = scores.double()
+        self.step_metrics.add(
+            "score",
+            lambda t: {
+                "score/mean": t["sum"] / t["rows"],
+                "score/std": std_of(t["sum"], t["sum_sq"], t["rows"]),
+                "reward/mean": t["rewards"] / t["rows"],
+            },
+            rows=len(values),
+            sum=values.sum(),
+            sum_sq=values.square().sum(),
+            rewards=torch.where(mask.bool(), token_rewards, 0.0).sum(),
+        )
 
     # -- 5. PPO epochs ---------------------------------------------------------------------------------
 
