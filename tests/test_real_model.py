@@ -131,30 +131,37 @@ def _prompts(tmp_path) -> str:
     return write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": _chat(q), "answer": a} for q, a in QUESTIONS])
 
 
+def _grpo(smollm2, tmp_path, name: str, *overrides: str):
+    """A one-step GRPO config on SmolLM2: 2 questions × 2 samples in one micro-batch, then ``overrides``."""
+    from posttrain.runtime.config import load_config
+    from posttrain.trainers.grpo import GRPOConfig
+
+    base = [
+        f"model.path={smollm2}",
+        f"data.path={_prompts(tmp_path)}",
+        "run.batch_size=4",
+        "run.micro_batch_size=4",
+        "num_generations=2",
+    ]
+    return load_config(GRPOConfig, None, base + list(overrides) + _common(tmp_path, name))
+
+
 def test_grpo_starts_on_policy_and_stops_at_the_end_of_turn(smollm2, tokenizer, tmp_path):
     """The sampler's log-probs are the training forward's to float32 rounding: 30 layers, written-out decode
     steps against a packed training forward, keep |ratio − 1| below 1e-4 (measured 4e-5; 1e-5 on the tiny
     models, whose rounding has 2 layers to grow through). KL to the reference is 0 at the first step."""
-    from posttrain.runtime.config import load_config
-    from posttrain.trainers.grpo import GRPOConfig, train
+    from posttrain.trainers.grpo import train
 
-    config = load_config(
-        GRPOConfig,
-        None,
-        [
-            f"model.path={smollm2}",
-            f"data.path={_prompts(tmp_path)}",
-            "run.batch_size=4",
-            "run.micro_batch_size=4",
-            "num_generations=2",
-            "num_iterations=2",
-            "kl_coef=0.04",
-            "sampling.max_new_tokens=20",
-            "sampling.temperature=1.0",
-            "log_completions=4",
-            "rewards=[{function: 'posttrain.rewards.math:math_answer'}]",
-        ]
-        + _common(tmp_path, "grpo"),
+    config = _grpo(
+        smollm2,
+        tmp_path,
+        "grpo",
+        "num_iterations=2",
+        "kl_coef=0.04",
+        "sampling.max_new_tokens=20",
+        "sampling.temperature=1.0",
+        "log_completions=4",
+        "rewards=[{function: 'posttrain.rewards.math:math_answer'}]",
     )
     train(config)
     (record,) = _metrics(tmp_path / "grpo")
@@ -204,30 +211,22 @@ def test_grpo_on_episodes_keeps_chatml_turns_and_starts_on_policy(smollm2, token
     from pathlib import Path
 
     from posttrain.envs import followup_ids
-    from posttrain.runtime.config import load_config
-    from posttrain.trainers.grpo import GRPOConfig, train
+    from posttrain.trainers.grpo import train
 
     glue = tokenizer.decode(followup_ids(tokenizer, [{"role": "tool", "content": "69104"}], None, "<|im_end|>"))
     assert glue == "\n<|im_start|>tool\n69104<|im_end|>\n<|im_start|>assistant\n"
     driver = Path(__file__).parent / "ddp_driver.py"
-    config = load_config(
-        GRPOConfig,
-        None,
-        [
-            f"model.path={smollm2}",
-            f"data.path={_prompts(tmp_path)}",
-            "run.batch_size=4",
-            "run.micro_batch_size=4",
-            "num_generations=2",
-            "kl_coef=0.04",
-            "sampling.max_new_tokens=16",
-            "sampling.stop_strings=['.', '?', '!']",  # short turns that end before max_new_tokens
-            f"env.name={driver}:ToolEveryTurn",
-            "env.max_turns=2",
-            "env.max_episode_tokens=64",
-            f"rewards=[{{function: '{driver}:token_sum'}}]",
-        ]
-        + _common(tmp_path, "grpo_env"),
+    config = _grpo(
+        smollm2,
+        tmp_path,
+        "grpo_env",
+        "kl_coef=0.04",
+        "sampling.max_new_tokens=16",
+        "sampling.stop_strings=['.', '?', '!']",  # short turns that end before max_new_tokens
+        f"env.name={driver}:ToolEveryTurn",
+        "env.max_turns=2",
+        "env.max_episode_tokens=64",
+        f"rewards=[{{function: '{driver}:token_sum'}}]",
     )
     train(config)
     (record,) = _metrics(tmp_path / "grpo_env")

@@ -164,6 +164,11 @@ class PromptExample:
     prompt: str | list[dict]
     columns: dict[str, Any]  # passed to reward functions (e.g. "answer")
 
+    @property
+    def row(self) -> dict[str, Any]:
+        """The data row it came from: ``prompt`` (text or messages) and the other columns (an episode's start)."""
+        return {"prompt": self.prompt, **self.columns}
+
 
 def rendered(tokenizer, example) -> str:
     """The first tokens of a run as the model reads them, special tokens kept: an example's prompt and

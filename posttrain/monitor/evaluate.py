@@ -278,7 +278,7 @@ class Evaluator:
         """(rollout, its columns) of ``n`` completions, or episodes with an ``env``, per prompt."""
         if self.env is not None:
             env, env_config = self.env
-            rows = [{"prompt": p.prompt, **p.columns} for p in prompts]
+            rows = [p.row for p in prompts]
             rollout = run_episodes(engine, env, env_config, self.tokenizer, rows, params, n)
             return rollout, rollout.columns
         rollout = engine.generate([p.prompt_ids for p in prompts], params, n=n)

@@ -509,7 +509,7 @@ def start_environment(config, tokenizer, first: PromptExample, say, name: str) -
         f"[{name}] episodes in env={env_config.name}: at most {env_config.max_turns} turns and "
         f"{env_config.max_episode_tokens} tokens after the prompt; the environment's tokens are masked out of training"
     )
-    ids = prompt_ids(tokenizer, first_messages(env, {"prompt": first.prompt, **first.columns}), env.tools)
+    ids = prompt_ids(tokenizer, first_messages(env, first.row), env.tools)
     say(f"[{name}] the first episode's prompt as the model reads it: {tokenizer.decode(ids)!r}")
     return env
 
@@ -517,7 +517,7 @@ def start_environment(config, tokenizer, first: PromptExample, say, name: str) -
 def sample_episodes(engine: RolloutEngine, policy, env: Environment, config, tokenizer, prompts, n: int, context):
     """A rollout of ``n`` episodes per prompt in ``env`` (``posttrain.envs.run_episodes``; ``context``: the
     model's positions), and its columns (the prompt rows' and the episodes': ``environment_reward``, turns, ...)."""
-    rows = [{"prompt": p.prompt, **p.columns} for p in prompts]
+    rows = [p.row for p in prompts]
     with engine.generating(policy):
         rollout = run_episodes(engine, env, config.env, tokenizer, rows, config.sampling, n, context)
     return rollout, rollout.columns
