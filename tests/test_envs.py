@@ -432,3 +432,15 @@ def test_the_environment_reward_listed_by_hand_is_taken_once(tiny_dir, tmp_path)
     grpo.train(config)  # no "missing column": the episodes write environment_reward
     (record,) = read_metrics(tmp_path / "grpo")
     assert math.isnan(record["reward/environment_reward/mean"])  # ToolEveryTurn scores nothing: null, not 0
+
+
+def test_a_tool_description_longer_than_the_model_fails_at_start_saying_so(tiny_dir, tmp_path):
+    """The tiny model's 512 positions cannot hold three tools' descriptions: refused before any model loads or
+    step runs, naming the cause (not the episode budget, which no setting of could help)."""
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    tools = "[" + ", ".join(f"{HERE / 'ddp_driver.py'}:{name}" for name in ("add", "hang", "explode")) + "]"
+    config = _online("grpo", tiny_dir, tmp_path, "env.name=tools", f"env.tools={tools}")
+    with pytest.raises(ValueError, match="more than the model's 512 positions: offer fewer or shorter tools"):
+        GRPOTrainer(config)
+    assert not (tmp_path / "grpo" / "metrics.jsonl").exists()

@@ -41,6 +41,23 @@ def first_messages(env: Environment, row: dict) -> list[dict]:
     return messages
 
 
+def check_fits(ids: list[int], config: EnvConfig, context: int | None, row: dict) -> None:
+    """ValueError when an episode's first prompt ``ids`` and ``env.max_episode_tokens`` do not fit the model's
+    ``context`` positions (None: unknown, not checked), saying which of the two to change."""
+    if context is None or len(ids) + config.max_episode_tokens <= context:
+        return
+    prompt = f"the prompt {str(row.get('prompt'))[:80]!r} is {len(ids)} tokens with the environment's messages"
+    if len(ids) >= context:
+        raise ValueError(
+            f"env: {prompt} (a system message, the tools' descriptions), more than the model's {context} positions: "
+            "offer fewer or shorter tools, a shorter env.kwargs.system, or use a model with a longer context"
+        )
+    raise ValueError(
+        f"env: {prompt}; with env.max_episode_tokens={config.max_episode_tokens} after it, an episode does not fit "
+        f"the model's {context} positions: lower env.max_episode_tokens to {context - len(ids)} or less"
+    )
+
+
 def render(tokenizer, messages: list[dict], tools, generation_prompt: bool) -> str:
     """The chat template's text of ``messages`` (with the tools' descriptions when ``tools``)."""
     extra = {"tools": tools} if tools else {}
@@ -116,12 +133,7 @@ def run_episodes(
     for row in rows:
         first = first_messages(env, row)
         ids = prompt_ids(tokenizer, first, env.tools)
-        if context is not None and len(ids) + config.max_episode_tokens > context:
-            raise ValueError(
-                f"env: an episode's first prompt is {len(ids)} tokens (the environment's messages included), and with "
-                f"env.max_episode_tokens={config.max_episode_tokens} it does not fit the model's {context} positions: "
-                f"lower env.max_episode_tokens or shorten the prompt {str(row.get('prompt'))[:80]!r}"
-            )
+        check_fits(ids, config, context, row)
         episodes += [_Episode(EpisodeState(row, [dict(m) for m in first]), ids) for _ in range(n)]
     special = set(tokenizer.all_special_ids)
     workers = max(1, getattr(env, "concurrent_steps", 1))

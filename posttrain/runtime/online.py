@@ -23,7 +23,7 @@ import torch
 from posttrain.core import masked_importance_weights, masked_whiten, truncated_importance_weights
 from posttrain.data import PromptExample, check_columns, load_prompts, rendered
 from posttrain.envs import ENDS, UNSCORED, EnvConfig, Environment, data_specs, environment_for, run_episodes
-from posttrain.envs.episodes import first_messages, prompt_ids
+from posttrain.envs.episodes import check_fits, first_messages, prompt_ids
 from posttrain.errors import UserError
 from posttrain.models import (
     Reference,
@@ -94,7 +94,8 @@ class OnlineTrainer:
         check_columns(prompts, reward_columns(data_specs(specs)), config.data.path)  # every column, before any model
         self.prompts, self.eval_prompts = split_train_eval(prompts, config.data.eval_fraction, config.run.seed)
         acc.print(f"[{self.name}] prompts: {report.summary()}")
-        acc.print(f"[{self.name}] the first prompt as the model reads it: {rendered(self.tokenizer, prompts[0])}")
+        if not getattr(getattr(config, "env", None), "enabled", False):  # episodes: printed by start_environment
+            acc.print(f"[{self.name}] the first prompt as the model reads it: {rendered(self.tokenizer, prompts[0])}")
         check_batch_split(config, acc.num_processes)
         prompts_per_step = config.run.batch_size // config.num_generations
         self.local_prompts = prompts_per_step // acc.num_processes
@@ -102,8 +103,8 @@ class OnlineTrainer:
             1, math.ceil(config.run.epochs * len(self.prompts) / prompts_per_step)
         )
         self.sampler = PromptSampler(len(self.prompts), config.run.seed)
-        self.env = start_environment(config, self.tokenizer, self.prompts[0], acc.print, self.name)
-        self.context = model_context(config.model.path) if self.env is not None else None
+        self.context = model_context(config.model.path) if getattr(config, "env", None) is not None else None
+        self.env = start_environment(config, self.tokenizer, self.prompts[0], self.context, acc.print, self.name)
         # the training engine's batch sizes: micro-batches of a minibatch's rows on this process
         rows = self.local_prompts * config.num_generations // config.minibatches
         micro = min(config.run.micro_batch_size, rows)
@@ -498,9 +499,10 @@ def check_episodes(config) -> None:
         )
 
 
-def start_environment(config, tokenizer, first: PromptExample, say, name: str) -> Environment | None:
+def start_environment(config, tokenizer, first: PromptExample, context, say, name: str) -> Environment | None:
     """The environment of ``config.env`` (None without one), told the run's tokenizer; what it is and the first
-    episode's prompt as the model reads it (the environment's messages, a tool description, included) printed."""
+    episode's prompt as the model reads it (the environment's messages, a tool description, included) printed,
+    and checked against the model's ``context`` positions (``check_fits``) before any step."""
     env_config: EnvConfig | None = getattr(config, "env", None)
     env = environment_for(env_config, tokenizer)
     if env is None:
@@ -511,6 +513,7 @@ def start_environment(config, tokenizer, first: PromptExample, say, name: str) -
     )
     ids = prompt_ids(tokenizer, first_messages(env, first.row), env.tools)
     say(f"[{name}] the first episode's prompt as the model reads it: {tokenizer.decode(ids)!r}")
+    check_fits(ids, env_config, context, first.row)
     return env
 
 
