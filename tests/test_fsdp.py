@@ -69,10 +69,11 @@ def _variants(runs: dict) -> dict:
         kept = [o for o in overrides if not o.startswith("run.output_dir=")]
         return kind, kept + extra + [f"run.output_dir={out}/{name}"], saved
 
-    # online DPO and distillation sample each prompt on its own in the two-process test (ddp_driver's
-    # prompt-keyed sampling); under FSDP2 their weights came out apart from one process (online DPO's
-    # lm_head by up to 12 Adam steps): not yet checked under FSDP2, so not run here
-    runs = {name: run for name, run in runs.items() if run[0] not in ("online_dpo", "distill")}
+    # online DPO and distillation sample at τ = 1 (ddp_driver's prompt-keyed sampling): rollout.engine=auto picks
+    # lean for one plain process and hf for the FSDP2-wrapped policy, which draw other tokens from one seed, so
+    # both settings name the engine
+    for name in ("online_dpo", "online_dpo_padded", "distill", "distill_jsd"):
+        runs[name] = variant(name, name, ["rollout.engine=hf"])
     runs.pop("grpo_async")  # refused under FSDP2 (test_async.py): the producer's whole copy is not built
     lean = variant("grpo_lean", "grpo", ["rollout.engine=lean"])
     # held-out generation (RunMonitor) from the sharded policy: 5 prompts in batches of 2 split 3/2 = 2 and 1
@@ -111,6 +112,8 @@ def test_fsdp2_is_really_on_and_shards_every_role(fsdp_run):
     assert stdout.count("[engine] FSDP2 on CPU over gloo") == runs
     assert checks["engine"] == "FSDP2, 2 process(es) on cpu"
     assert stdout.count("training engine: FSDP2, 2 process(es) on cpu") >= 5  # the online trainers print it
+    # rollout.engine=auto says why a sharded policy samples with transformers' generate
+    assert "rollout.engine=auto: hf (" in stdout and "checkpoint: the model is sharded by FSDP2" in stdout
     assert checks["trained_local_share"] == 0.5 and checks["frozen_local_share"] == 0.5
     assert checks["reward_local_share"] == pytest.approx(0.5, abs=0.01)  # its 1-row score head sits on one process
     assert checks["frozen_forward_diff"] == 0.0 and checks["reward_score_diff"] == 0.0
@@ -129,11 +132,11 @@ def test_fsdp2_is_really_on_and_shards_every_role(fsdp_run):
 
 
 def test_every_trainer_under_fsdp2_matches_one_plain_process(fsdp_run, tiny_dir):
-    """SFT (with an evaluation), RM, DPO, GRPO (transformers generate and the lean loop) and PPO with each
-    critic — the reward model's copy, the policy's copy (a second sharded model), a value head on the
-    policy — under FSDP2 on 2 processes: parameters as close to one plain process after 2 steps as Adam's
-    arithmetic guarantees (helpers.assert_adam_trained_alike), one grad_norm per optimizer step, equal
-    norms (the critic's too), the same evaluation loss."""
+    """SFT (with an evaluation), RM, DPO, KTO, GRPO (transformers generate and the lean loop), online DPO,
+    distillation (reverse KL and JSD) and PPO with each critic — the reward model's copy, the policy's copy (a
+    second sharded model), a value head on the policy — under FSDP2 on 2 processes: parameters as close to one
+    plain process after 2 steps as Adam's arithmetic guarantees (helpers.assert_adam_trained_alike), one
+    grad_norm per optimizer step, equal norms (the critic's too), the same evaluation loss."""
     root, two, _, _, _ = fsdp_run
     one = _variants(ddp_runs(tiny_dir, root, "one"))
     assert ddp_driver.run([(kind, overrides) for kind, overrides, _ in one.values()]) == [1] * len(one)

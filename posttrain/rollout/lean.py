@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from posttrain.models.loading import cache_keyword, checkpointing_on
 from posttrain.rollout.base import Rollout, SamplingParams, build_rollout, left_pad
@@ -179,6 +180,8 @@ def written_out_gaps(model: nn.Module) -> list[str]:
     autocast (accelerate's mixed precision wraps the forward and keeps the original as ``_original_forward``;
     the prefill's half-precision cache then met the step's float32 queries)."""
     name = type(model).__name__
+    if isinstance(model, FSDPModule):
+        return ["the model is sharded by FSDP2, whose forward hooks gather its shards (the step skips them)"]
     if name not in _COVERED:
         return [f"{name} is not a Llama or Qwen2 causal LM"]
     layer_class, attention_class, mlp_class, norm_class = _COVERED[name]
