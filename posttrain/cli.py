@@ -387,7 +387,14 @@ def _end_distributed() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # no process tears its connections down while another still uses them
-        dist.destroy_process_group()
+        vllm_groups = sys.modules.get("vllm.distributed.parallel_state")
+        if vllm_groups is not None:
+            # colocated vLLM engines joined this group (external launcher); their own shutdown at exit tears
+            # their groups down and then ours, and failed with a traceback once ours was gone: theirs first
+            vllm_groups.destroy_model_parallel()
+            vllm_groups.destroy_distributed_environment()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _quiet_transformers() -> None:

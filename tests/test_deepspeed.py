@@ -40,7 +40,7 @@ def _jsonl(path, rows):
 
 def _runs(tiny_dir, data_dir, out: Path, micro: int) -> dict[str, tuple[str, list[str], list[str]]]:
     """{name: (kind, overrides, saved files)}: 2 steps of SFT (with an evaluation whose 5 examples split
-    3/2 over two processes), RM and DPO (reference: a frozen copy)."""
+    3/2 over two processes), RM, DPO (reference: a frozen copy), SimPO and ORPO."""
     policy = str(tiny_dir / "policy")
     sft_rows = [{"prompt": f"{i}+{i}=", "completion": "x" * (1 + i % 5)} for i in range(40)]
     sft_data = _jsonl(data_dir / "sft.jsonl", sft_rows)
@@ -59,6 +59,9 @@ def _runs(tiny_dir, data_dir, out: Path, micro: int) -> dict[str, tuple[str, lis
         "sft": ("sft", [f"data.path={sft_data}", "data.eval_fraction=0.125"], ["policy/model.safetensors"]),
         "rm": ("rm", [f"data.path={pairs}"], ["reward/model.safetensors"]),
         "dpo": ("dpo", [f"data.path={pairs}", "reference=copy"], ["policy/model.safetensors"]),
+        # the reference-free losses: no reference is loaded, sharded or run
+        "simpo": ("dpo", [f"data.path={pairs}", "loss_type=simpo", "beta=2.0"], ["policy/model.safetensors"]),
+        "orpo": ("dpo", [f"data.path={pairs}", "loss_type=orpo"], ["policy/model.safetensors"]),
     }
     return {
         name: (kind, common + overrides + [f"run.output_dir={out / name}"], saved)
@@ -119,26 +122,41 @@ def test_zero_on_two_processes_matches_one_plain_process(stage, tiny_dir, tmp_pa
     assert len(evals[1]) == 1 and evals[1] == pytest.approx(evals[0], rel=1e-5)
 
 
-ONLINE = ("grpo", "grpo_lora", "ppo_reward", "ppo_policy", "ppo_shared")
+ONLINE = ("grpo", "grpo_lora", "ppo_reward", "ppo_policy", "ppo_shared", "kto", "online_dpo", "distill", "distill_jsd")
+SAMPLED = ("online_dpo", "distill", "distill_jsd")  # at τ = 1: both settings sample with transformers' generate
+
+
+def _online_runs(tiny_dir, root, setting: str) -> dict:
+    """tests/test_ddp_roles.py's runs named in ONLINE; the sampled ones with rollout.engine=hf (auto picks lean for
+    one plain process and hf for a ZeRO-3 policy, which draw other tokens from one seed)."""
+    runs = {k: v for k, v in ddp_runs(tiny_dir, root, setting).items() if k in ONLINE}
+    for name in SAMPLED:
+        kind, overrides, saved = runs[name]
+        runs[name] = (kind, [*overrides, "rollout.engine=hf"], saved)
+    return runs
 
 
 @pytest.fixture(scope="module")
 def one_process_online(tiny_dir, tmp_path_factory):
-    """GRPO and PPO with each critic (tests/test_ddp_roles.py's runs: greedy sampling, 2 steps, global
-    batch 8) on one plain process."""
+    """GRPO and PPO with each critic, KTO, online DPO and distillation (tests/test_ddp_roles.py's runs: 2
+    steps, global batch 8; GRPO and PPO sample greedily, online DPO and distillation each prompt from an RNG
+    seeded by the prompt) on one plain process."""
     root = tmp_path_factory.mktemp("online")
-    runs = {k: v for k, v in ddp_runs(tiny_dir, root, "one").items() if k in ONLINE}
+    runs = _online_runs(tiny_dir, root, "one")
     assert ddp_driver.run([(kind, overrides) for kind, overrides, _ in runs.values()]) == [1] * len(runs)
     return root, runs
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_grpo_and_ppo_under_zero_on_two_processes_match_one_plain_process(stage, tiny_dir, one_process_online):
-    """Generation from the (ZeRO-3: gathered) policy, the frozen reference and reward model (ZeRO-3:
+def test_online_trainers_and_kto_under_zero_on_two_processes_match_one_plain_process(
+    stage, tiny_dir, one_process_online
+):
+    """Generation from the (ZeRO-3: gathered) policy, the frozen reference, reward model and teacher (ZeRO-3:
     sharded), and PPO's critic as a second DeepSpeed engine (critic=reward, critic=policy) or a value head
-    on the policy (critic=shared): the same two steps as one plain process."""
+    on the policy (critic=shared); KTO's reference point from both processes' halves of the batch; online
+    DPO's pairs and distillation's two losses: the same two steps as one plain process."""
     root, one = one_process_online
-    two = {k: v for k, v in ddp_runs(tiny_dir, root, f"zero{stage}").items() if k in ONLINE}
+    two = _online_runs(tiny_dir, root, f"zero{stage}")
     spec = root / f"zero{stage}.json"
     spec.write_text(json.dumps([(kind, overrides) for kind, overrides, _ in two.values()]))
     assert json.loads(_launch(stage, str(DRIVER), str(spec))) == [2] * len(two)

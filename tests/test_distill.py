@@ -512,3 +512,30 @@ def test_gkd_lmbda_is_checked_at_start(tiny_dir, prompts, tmp_path):
     config = _distill(policy, policy, prompts, tmp_path / "x", "loss=jsd", "lmbda=0.5")
     with pytest.raises(UserError, match="field 'completion': missing: this run trains on the data set's completions"):
         DistillTrainer(config)
+
+
+def test_a_vllm_teacher_is_refused_where_it_cannot_grade(tiny_dir, prompts, tmp_path):
+    """teacher_scoring.engine=vllm returns the given tokens' log-probs at temperature 1: loss=jsd (the whole
+    distribution), another sampling temperature and teacher_device are refused at start with the way out;
+    so are a server or vLLM knobs without engine=vllm and a misspelled engine. (The vLLM teacher itself runs
+    in tests/test_vllm.py.)"""
+    policy = str(tiny_dir / "policy")
+    vllm = "teacher_scoring.engine=vllm"
+    refused = {
+        "vLLM returns the log-probs of the given tokens only; use loss=reverse_kl": (vllm, "loss=jsd"),
+        r"sampling.temperature=0.7: vLLM's log-probs .* raw logits \(temperature 1\)": (
+            vllm,
+            "sampling.temperature=0.7",
+        ),
+        "teacher_device=cpu places the teacher of teacher_scoring.engine=hf": (vllm, "teacher_device=cpu"),
+        "teacher_scoring.mode=server needs teacher_scoring.engine=vllm": ("teacher_scoring.mode=server",),
+        "teacher_scoring.enforce_eager applies to teacher_scoring.engine=vllm only": (
+            "teacher_scoring.enforce_eager=true",
+        ),
+        r"teacher_scoring.engine must be one of \('hf', 'vllm'\), got 'vlm'": ("teacher_scoring.engine=vlm",),
+    }
+    for message, overrides in refused.items():
+        with pytest.raises(ValueError, match=message):
+            _distill(policy, policy, prompts, tmp_path / "x", *overrides)
+    config = _distill(policy, policy, prompts, tmp_path / "x", vllm, "teacher_scoring.mode=server")
+    assert config.teacher_scoring.describe() == "engine=vllm mode=server url=http://127.0.0.1:8001 timeout=300s"

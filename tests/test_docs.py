@@ -225,7 +225,7 @@ def test_config_page_lists_every_section_field():
     from posttrain.models import ModelConfig
     from posttrain.monitor import AlertConfig, EvalConfig
     from posttrain.rewards import RewardSpec
-    from posttrain.rollout import RolloutConfig, SamplingParams
+    from posttrain.rollout import RolloutConfig, SamplingParams, ScoringConfig
     from posttrain.runtime.config import OptimConfig, RunConfig
 
     sections = {
@@ -235,6 +235,7 @@ def test_config_page_lists_every_section_field():
         "run": RunConfig,
         "sampling": SamplingParams,
         "rollout": RolloutConfig,
+        "teacher_scoring": ScoringConfig,
         "rewards[]": RewardSpec,
         "env": EnvConfig,
         "eval": EvalConfig,

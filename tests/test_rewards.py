@@ -155,6 +155,22 @@ def test_sandbox_stops_or_contains_hostile_code(name, tmp_path):
         assert _sandbox_processes() == []  # nothing the program started is still running
 
 
+def test_a_program_stopped_by_its_cpu_limit_is_a_timeout_not_a_crash():
+    """The sandbox's CPU limit is set from the timeout; a program it stops ran out of its time. (The python
+    environment once told a model its infinite loop was "killed by signal SIGXCPU" instead of "did not finish":
+    the start-up's CPU seconds counted against the program.) Here the program lowers its own limit to reach it
+    well before the 5 s timeout; and an ordinary loop under a 2 s timeout is stopped as a timeout too."""
+    lowered = (
+        "import resource\nused = resource.getrusage(resource.RUSAGE_SELF)\n"
+        "limit = int(used.ru_utime + used.ru_stime) + 1\n"
+        "resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 5))\nwhile True:\n    pass"
+    )
+    result = run_program(lowered, [], timeout=5)
+    assert result.status == "timeout" and result.reason == "timeout after 5 s (its CPU time ran out)", result
+    result = run_program("while True:\n    pass", [], timeout=2)
+    assert result.status == "timeout" and result.reason.startswith("timeout after 2 s"), result
+
+
 def test_sandbox_scores_share_of_tests_and_hides_secrets(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws_secret")

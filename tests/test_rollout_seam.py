@@ -165,25 +165,38 @@ def test_lora_weights_handed_to_vllm_are_the_merged_ones(tiny_dir):
 
 
 def test_vllm_server_engine_fails_at_start_naming_the_server_when_none_is_there(tokenizer):
+    """A server not running at start is one line (a ``UserError``) naming the address and the setting that
+    points there: the rollout's, or the distillation teacher's."""
     import socket
 
-    from posttrain.rollout.vllm_server import VLLMServerEngine, VLLMServerError
+    from posttrain.errors import UserError
+    from posttrain.rollout import ScoringConfig, build_scorer
+    from posttrain.rollout.vllm_server import VLLMServerEngine
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(VLLMServerError, match=rf"127.0.0.1:{port} did not answer /health .*posttrain vllm-serve"):
-        VLLMServerEngine(f"http://127.0.0.1:{port}", tokenizer, timeout=5)
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(
+        UserError, match=rf"127.0.0.1:{port} did not answer /health .*posttrain vllm-serve.*rollout.server_url"
+    ):
+        VLLMServerEngine(url, tokenizer, timeout=5)
+    teacher = ScoringConfig(engine="vllm", mode="server", server_url=url, server_timeout=5)
+    with pytest.raises(
+        UserError, match=r"did not answer /health .*\(teacher_scoring.server_url, teacher_scoring.server_timeout\)"
+    ):
+        build_scorer(teacher, "unused", tokenizer, seed=0)
 
 
 def test_vllm_server_engine_times_out_on_a_server_that_never_answers(tokenizer):
     import socket
 
-    from posttrain.rollout.vllm_server import VLLMServerEngine, VLLMServerError
+    from posttrain.errors import UserError
+    from posttrain.rollout.vllm_server import VLLMServerEngine
 
     with socket.socket() as s:  # accepts connections (backlog) but never reads or answers
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
-        with pytest.raises(VLLMServerError, match=r"did not answer /health within 0.5s"):
+        with pytest.raises(UserError, match=r"did not answer /health within 0.5s"):
             VLLMServerEngine(url, tokenizer, timeout=0.5)

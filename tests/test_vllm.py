@@ -170,16 +170,27 @@ def test_grpo_three_steps_with_colocated_vllm(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["ddp", "fsdp2"])
-def test_grpo_on_two_processes_each_rank_with_its_own_colocated_vllm(tiny_dir, tmp_path, launcher):
+def test_two_processes_each_rank_with_its_own_colocated_vllm(tiny_dir, tmp_path, launcher):
     """2 processes (torchrun: DDP; or accelerate with examples/accelerate/fsdp2.yaml) and
     rollout.engine=vllm colocated: each rank runs its own vLLM engine in vLLM's external-launcher mode
     (as TRL's and verl's colocated modes do), samples its own prompts and is handed the weights (under
     FSDP2 gathered whole) after every step: the log-prob gap, a max over both ranks, stays at float32
-    rounding while lr 1e-2 moves the weights (a rank left on old weights or shards shows as >> 1e-4)."""
+    rounding while lr 1e-2 moves the weights (a rank left on old weights or shards shows as >> 1e-4).
+    DDP also runs distillation with a colocated vLLM teacher on each rank, beside a second vLLM engine (the
+    student's): its step equals the teacher's forward's on the same samples. The processes end without a
+    traceback (vLLM's groups are torn down before the launcher's)."""
     from posttrain.runtime.metrics import read_metrics
 
+    runs = [["grpo", _grpo_overrides(tiny_dir, tmp_path, "run.micro_batch_size=4")]]
+    if launcher == "ddp":
+        student = ("rollout.engine=vllm", "rollout.dtype=float32", "rollout.enforce_eager=true")
+        teacher = ("teacher_scoring.engine=vllm", "teacher_scoring.dtype=float32", "teacher_scoring.enforce_eager=true")
+        for name, extra in (("distill", student + teacher), ("distill_hf", student)):
+            runs.append(
+                ["distill", _distill_overrides(tmp_path, name, tiny_dir / "policy", tiny_dir / "qwen2", *extra)]
+            )
     spec = tmp_path / "runs.json"
-    spec.write_text(json.dumps([["grpo", _grpo_overrides(tiny_dir, tmp_path, "run.micro_batch_size=4")]]))
+    spec.write_text(json.dumps(runs))
     driver = str(Path(__file__).parent / "ddp_driver.py")
     if launcher == "ddp":
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", driver]
@@ -189,13 +200,19 @@ def test_grpo_on_two_processes_each_rank_with_its_own_colocated_vllm(tiny_dir, t
         command += ["--num_processes", "2", "--mixed_precision", "no", driver]
     done = subprocess.run([*command, str(spec)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [2]  # one run on two ranks
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [2] * len(runs)  # every run on two ranks
     assert f"training engine: {'FSDP2' if launcher == 'fsdp2' else 'DDP'}, 2 process(es)" in done.stdout
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-4, r
     assert rows[-1]["passes/old_logprobs"] == 3
+    if launcher == "ddp":
+        (row,), (row_hf,) = read_metrics(tmp_path / "distill"), read_metrics(tmp_path / "distill_hf")
+        assert row["distill/student_logprob"] == pytest.approx(row_hf["distill/student_logprob"], abs=1e-6)
+        assert row["distill/teacher_logprob"] == pytest.approx(row_hf["distill/teacher_logprob"], abs=1e-5)
+        assert row["distill/reverse_kl"] > 1e-3
 
 
 @pytest.fixture
@@ -253,11 +270,20 @@ def _check_asynchronous_grpo_one_version_behind(tiny_dir, tmp_path, url):
     assert weight_loads() - before == 2  # version 0 (batches 1, 2), version 1 (batch 3)
 
 
-def test_grpo_three_steps_against_a_vllm_server_then_a_clear_error_when_it_is_gone(tiny_dir, tmp_path, server):
+def test_a_vllm_server_as_teacher_then_sampler_then_a_clear_error_when_it_is_gone(tiny_dir, tmp_path, server):
+    """One server, started once: first the teacher of a distillation step (teacher_scoring.mode=server; the
+    server's tiny Llama grades a tiny Qwen2 student with the same tokenizer): the step equals one with the
+    teacher's forward in the training process, and no weights are sent to it; then the sampler of GRPO
+    (synchronous and one version behind); then gone, a clear error."""
     from posttrain.rollout.vllm_server import VLLMServerError
     from posttrain.trainers.grpo import GRPOTrainer
 
     url, process = server
+    teacher = ("teacher_scoring.engine=vllm", "teacher_scoring.mode=server", f"teacher_scoring.server_url={url}")
+    _distill_alike(tmp_path, "served", tiny_dir / "qwen2", tiny_dir / "policy", *teacher)
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as answer:
+        assert json.loads(answer.read())["weight_loads"] == 0
+
     config = _grpo_config(tiny_dir, tmp_path, "rollout.mode=server", f"rollout.server_url={url}")
     trainer = GRPOTrainer(config)
     result = trainer.train()
@@ -328,3 +354,107 @@ def test_ppo_two_steps_with_colocated_vllm(tiny_dir, tmp_path):
     rows = read_metrics(config.run.output_dir)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows)  # step 2 sampled the stepped policy
+
+
+# -- a distillation teacher in vLLM: colocated, or in its own process ---------------------------------------
+
+
+def _distill_overrides(tmp_path, name, student, teacher, *overrides) -> list[str]:
+    return [
+        f"model.path={student}",
+        f"teacher.path={teacher}",
+        f"data.path={_digit_prompts(tmp_path)}",
+        "data.chat_template=never",
+        f"run.output_dir={tmp_path / name}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "rollout.engine=lean",
+        "sampling.max_new_tokens=6",
+        "num_generations=2",
+        "run.batch_size=8",
+        "run.max_steps=1",
+        "optim.lr=1e-3",
+        *overrides,
+    ]
+
+
+def _distill_alike(tmp_path, name, student, teacher, *overrides):
+    """A distillation step with its teacher graded as ``overrides`` say equals one with the teacher's forward in
+    the training process (engine=hf): the same samples, the teacher's log-probs within float32 rounding, weights
+    as alike as one Adam step allows (one step: after it Adam's normalised noise moves the samples apart)."""
+    from helpers import assert_adam_trained_alike
+    from safetensors.torch import load_file
+
+    from posttrain.runtime.config import load_config
+    from posttrain.runtime.metrics import read_metrics
+    from posttrain.trainers.distill import DistillConfig, train
+
+    for run, extra in ((name, overrides), (f"{name}_hf", ())):
+        train(load_config(DistillConfig, None, _distill_overrides(tmp_path, run, student, teacher, *extra)))
+    (row,), (row_hf,) = read_metrics(tmp_path / name), read_metrics(tmp_path / f"{name}_hf")
+    assert row["passes/teacher"] == 1 and row["distill/reverse_kl"] > 1e-3  # the teacher is another model
+    assert row["distill/student_logprob"] == row_hf["distill/student_logprob"]  # the same samples
+    for key in ("distill/teacher_logprob", "distill/reverse_kl", "policy/loss"):
+        assert row[key] == pytest.approx(row_hf[key], abs=1e-5), key
+    a = load_file(tmp_path / name / "final" / "policy" / "model.safetensors")
+    b = load_file(tmp_path / f"{name}_hf" / "final" / "policy" / "model.safetensors")
+    for k in a:
+        assert_adam_trained_alike(a[k], b[k], 1e-3, 1, msg=k)
+
+
+def test_a_vllm_teacher_grades_sampled_tokens_as_its_forward_does(tiny_dir, tmp_path):
+    """``scored_logprobs`` through vLLM's prompt log-probs (prompts of several lengths, responses cut at other
+    lengths): the teacher's forward's log-probs of the response tokens, 0 past each response; then a
+    distillation step with teacher_scoring.engine=vllm colocated equals one with the teacher's forward."""
+    from posttrain.models.roles import response_logprobs
+    from posttrain.rollout import scored_logprobs
+
+    teacher_path = str(tiny_dir / "qwen2")
+    teacher = VLLMEngine(teacher_path, load_tokenizer(teacher_path), dtype="float32", enforce_eager=True)
+    tokenizer = load_tokenizer(str(tiny_dir / "policy"))
+    rollout = teacher.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=6, temperature=1.0), n=2)
+    lengths = torch.tensor([1, 6, 3, 2, 5, 4])
+    rollout.response_mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
+    scored = scored_logprobs(teacher, rollout)
+    model = load_policy(ModelConfig(path=teacher_path, device="cpu"))
+    with torch.no_grad():
+        forward, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.response_length)
+    valid = rollout.response_mask.bool()
+    assert float((scored - forward)[valid].abs().max()) < 1e-5
+    assert torch.equal(scored[~valid], torch.zeros(int((~valid).sum())))
+    del teacher
+
+    overrides = ("teacher_scoring.engine=vllm", "teacher_scoring.dtype=float32", "teacher_scoring.enforce_eager=true")
+    _distill_alike(tmp_path, "colocated", tiny_dir / "policy", teacher_path, *overrides)
+
+
+def test_online_dpo_samples_with_vllm_and_a_judge_gives_vllm_verdicts(tiny_dir, tmp_path):
+    """Online DPO's responses drawn by a colocated vLLM engine (the pairs' log-probs are the training
+    forward's), its weights handed over after each step as GRPO's are; a judge whose verdicts come from its
+    own vLLM engine gives the verdicts of its transformers engine (greedy, float32)."""
+    from posttrain.rewards.judge import load_judge, render
+    from posttrain.runtime.config import load_config
+    from posttrain.runtime.metrics import read_metrics
+    from posttrain.trainers.online_dpo import OnlineDPOConfig, train
+
+    driver = Path(__file__).parent / "ddp_driver.py"
+    overrides = _distill_overrides(tmp_path, "online_dpo", tiny_dir / "policy", "unused")
+    overrides = [o for o in overrides if not o.startswith(("teacher.path", "rollout.engine", "optim.lr", "run.max"))]
+    overrides += [
+        f"rewards=[{{function: '{driver}:character_sum'}}]",
+        "num_generations=4",
+        "run.max_steps=2",
+        "optim.lr=1e-2",
+        "rollout.engine=vllm",
+        "rollout.dtype=float32",
+        "rollout.enforce_eager=true",
+    ]
+    train(load_config(OnlineDPOConfig, None, overrides))
+    rows = read_metrics(tmp_path / "online_dpo")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["pairs/count"] > 0 for r in rows)
+    assert all(math.isfinite(r["loss"]) and "time/sync_weights" in r for r in rows), rows
+
+    judge = load_judge(str(tiny_dir / "policy"), "cpu", "never")
+    texts = render("Grade {prompt}{completion}:", ["1+2=", "30+4=", "5+5="], ["3", "34", "11"], {})
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    assert judge.verdicts(texts, greedy, 3, "vllm") == judge.verdicts(texts, greedy, 3, "hf")

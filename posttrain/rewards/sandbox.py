@@ -238,7 +238,10 @@ if job["uid"] is not None:
         os.environ["HOME"] = os.environ["TMPDIR"] = "/tmp/sandbox"
         report(event="namespaces", **isolation)
 limits = job["limits"]
-resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu"], limits["cpu"] + 1))
+# the CPU limit counts from here, as the timeout counts from "ready": the start-up's CPU seconds are added
+used = resource.getrusage(resource.RUSAGE_SELF)
+spent = int(used.ru_utime + used.ru_stime) + 1
+resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu"] + spent, limits["cpu"] + spent + 1))
 resource.setrlimit(resource.RLIMIT_AS, (limits["memory"], limits["memory"]))
 resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize"], limits["fsize"]))
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
@@ -540,6 +543,8 @@ def run_program(
         if ready is None:
             result.reason = f"the sandbox did not start within {STARTUP_TIMEOUT:g} s (not counted in the timeout)"
     _read_events(result, events, proc.returncode)
+    if result.status == "crashed" and proc.returncode == -signal.SIGXCPU:  # its CPU limit, set from the timeout
+        result.status, result.reason = "timeout", f"timeout after {timeout:g} s (its CPU time ran out)"
     return result
 
 

@@ -4,11 +4,13 @@ from posttrain.rollout.base import (
     Rollout,
     RolloutEngine,
     SamplingParams,
+    TokenScorer,
     concat_rollouts,
     left_pad,
     response_mask_from_ends,
+    scored_logprobs,
 )
-from posttrain.rollout.engines import RolloutConfig, build_engine, choose_engine
+from posttrain.rollout.engines import RolloutConfig, ScoringConfig, build_engine, build_scorer, choose_engine
 from posttrain.rollout.hf import HFEngine, eos_token_ids, ignored_checkpoint_sampling
 from posttrain.rollout.lean import LeanEngine
 
@@ -19,11 +21,15 @@ __all__ = [
     "RolloutConfig",
     "RolloutEngine",
     "SamplingParams",
+    "ScoringConfig",
+    "TokenScorer",
     "build_engine",
+    "build_scorer",
     "choose_engine",
     "concat_rollouts",
     "eos_token_ids",
     "ignored_checkpoint_sampling",
     "left_pad",
     "response_mask_from_ends",
+    "scored_logprobs",
 ]

@@ -219,6 +219,30 @@ class RolloutEngine(Protocol):
     def generating(self, policy: nn.Module) -> AbstractContextManager: ...
 
 
+class TokenScorer(Protocol):
+    """A frozen model's log-probs of given token ids, without sampling (a vLLM engine's prompt log-probs, in
+    this process or served): how a teacher in another engine or process grades the sampled tokens."""
+
+    def score(self, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """log π(x_t | x_<t) of ``sequences[i][t]`` for t ≥ ``starts[i]`` (≥ 1), at temperature 1."""
+        ...
+
+
+def scored_logprobs(scorer: TokenScorer, rollout: Rollout) -> torch.Tensor:
+    """log π(y_t | x, y_<t) [B, T] of every response token of ``rollout`` by ``scorer``: each row sent as its
+    prompt then its response, padding left out (0 past the response, as the training forward's masks read it)."""
+    sequences, starts = [], []
+    for row in range(len(rollout)):
+        prompt = rollout.prompt_ids[row][rollout.prompt_mask[row].bool()].tolist()
+        response = rollout.response_ids[row][rollout.response_mask[row].bool()].tolist()
+        sequences.append(prompt + response)
+        starts.append(len(prompt))
+    out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32)
+    for row, logprobs in enumerate(scorer.score(sequences, starts)):
+        out[row, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+    return out
+
+
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists → (ids [B, L] left-padded with ``pad_id``, mask [B, L] 1 on real tokens)."""
     length = max(len(s) for s in sequences)

@@ -1,4 +1,6 @@
-"""Which rollout engine a run samples with (``rollout.engine``, ``rollout.mode``), built in one place.
+"""Which rollout engine a run samples with (``rollout.engine``, ``rollout.mode``), built in one place; and
+where a frozen model scores the sampled tokens when that is not the training process's forward
+(``ScoringConfig``, ``build_scorer``: distillation's teacher in vLLM, colocated or served).
 
 Engines register a builder in ``BUILDERS``; the trainers call ``build_engine`` and then only use the
 ``RolloutEngine`` protocol (``generate``, ``sync_weights``, ``generating``).
@@ -9,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from posttrain.rollout.base import RolloutEngine
+from posttrain.rollout.base import RolloutEngine, TokenScorer
 from posttrain.rollout.hf import HFEngine
 from posttrain.rollout.lean import LeanEngine, written_out_gaps
 
@@ -194,3 +197,73 @@ BUILDERS: dict[str, Callable[..., RolloutEngine]] = {"auto": _auto, "hf": _hf, "
 def build_engine(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, seed: int) -> RolloutEngine:
     """The engine ``config`` names, sampling from ``policy`` (the unwrapped trained module)."""
     return BUILDERS[config.engine](config, policy, tokenizer, model_path, seed)
+
+
+SCORING_ENGINES = ("hf", "vllm")
+
+
+@dataclass
+class ScoringConfig:
+    """Where a frozen model grades the sampled tokens: its log-prob of each (distillation's teacher)."""
+
+    engine: str = "hf"
+    """hf: the model's forward in the training process (teacher_device, or sharded like the policy under FSDP2 /
+    ZeRO-3); vllm: a vLLM engine of its weights, its log-probs of the given tokens (temperature 1), colocated
+    in the training process or in its own (mode=server)."""
+    mode: str = "colocate"
+    """colocate (a vLLM engine in the training process) or server (`posttrain vllm-serve --model TEACHER` at
+    server_url: another process, on other GPUs or another machine)."""
+    server_url: str = "http://127.0.0.1:8001"
+    """Where the teacher's `posttrain vllm-serve` listens (mode=server)."""
+    server_timeout: float = 300.0
+    """Seconds to wait for the server's answer to one request before the run fails (mode=server)."""
+    gpu_memory_utilization: float = 0.2
+    """The colocated vLLM engine's share of the accelerator's memory (weights + KV cache)."""
+    dtype: str = "auto"
+    """vLLM's weight dtype: auto (a bfloat16 checkpoint's, half precision for a float32 one), float32, bfloat16
+    or float16."""
+    enforce_eager: bool = False
+    """vLLM without torch.compile / CUDA graphs: starts in seconds instead of minutes, runs slower."""
+
+    def validate(self, name: str) -> None:
+        for key, allowed in (("engine", SCORING_ENGINES), ("mode", MODES)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{name}.{key} must be one of {allowed}, got {getattr(self, key)!r}")
+        if self.mode == "server" and self.engine != "vllm":
+            raise ValueError(f"{name}.mode=server needs {name}.engine=vllm (the server is `posttrain vllm-serve`)")
+        if self.engine != "vllm" and self.enforce_eager:
+            raise ValueError(f"{name}.enforce_eager applies to {name}.engine=vllm only, got engine={self.engine}")
+        if self.server_timeout <= 0 or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{name}.server_timeout must be > 0 and {name}.gpu_memory_utilization in (0, 1]")
+
+    def describe(self) -> str:
+        """The one line printed at start."""
+        if self.engine == "hf":
+            return "engine=hf (the model's forward in the training process)"
+        if self.mode == "server":
+            return f"engine=vllm mode=server url={self.server_url} timeout={self.server_timeout:g}s"
+        return f"engine=vllm mode=colocate dtype={self.dtype}"
+
+
+def build_scorer(config: ScoringConfig, model_path: str, tokenizer, seed: int) -> TokenScorer:
+    """The vLLM ``TokenScorer`` ``config`` names (engine=vllm), holding the weights of ``model_path``."""
+    if config.mode == "server":
+        from posttrain.rollout.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(config.server_url, tokenizer, config.server_timeout, section="teacher_scoring")
+    import torch.distributed as dist
+
+    from posttrain.rollout.vllm_engine import VLLMEngine
+
+    ranked = dist.is_initialized() and dist.get_world_size() > 1
+    # vLLM seeds torch's generators as it starts: the run's own random stream (the student's samples) is kept
+    with torch.random.fork_rng():
+        return VLLMEngine(
+            model_path,
+            tokenizer,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            dtype=config.dtype,
+            seed=seed,
+            enforce_eager=config.enforce_eager,
+            external_launcher=ranked,
+        )

@@ -45,6 +45,22 @@ def vllm_sampling_params(params: SamplingParams, n: int, stop_ids: list[int]):
     )
 
 
+def score_params():
+    """vLLM's parameters of a scoring request: the log-prob of every given token (``prompt_logprobs=0``: the
+    given token's alone), and one sampled token that is thrown away (vLLM samples at least one)."""
+    import vllm
+
+    return vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+
+
+def prompt_logprobs_of(outputs, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
+    """vLLM ``RequestOutput``s of scoring requests → the log-probs of each sequence's tokens from its start on."""
+    return [
+        [step[token].logprob for token, step in zip(ids[start:], output.prompt_logprobs[start:], strict=True)]
+        for ids, start, output in zip(sequences, starts, outputs, strict=True)
+    ]
+
+
 def completions_of(outputs) -> list[dict]:
     """vLLM ``RequestOutput``s → one dict per sampled completion, in prompt order: token_ids, the
     sampled tokens' log-probs, and whether it stopped (EOS, stop id or stop string)."""
@@ -111,6 +127,12 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+_JOINED: list = []
+"""The ``vllm.LLM``s that joined the launcher's process group (external launcher), kept until the process ends:
+vLLM's shutdown of an engine (when it is collected) destroys the whole process group, which a later run in the
+same process, or this one's last collectives, still need. The CLI tears their groups down first at the end."""
+
+
 class VLLMEngine:
     """Rollout engine on an in-process ``vllm.LLM`` (colocated with the trainer)."""
 
@@ -155,6 +177,8 @@ class VLLMEngine:
             # verl's colocated modes run it
             distributed_executor_backend="external_launcher" if external_launcher else None,
         )
+        if external_launcher:
+            _JOINED.append(self.llm)
         self._eos = eos_token_ids(tokenizer)
         if sleep:
             self.llm.sleep(level=2)  # until the first rollout: training gets the memory
@@ -190,6 +214,14 @@ class VLLMEngine:
             [{"prompt_token_ids": list(p)} for p in prompts], vllm_sampling_params(params, n, stop_ids), use_tqdm=False
         )
         return completions_of(outputs), stop_ids
+
+    def score(self, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """``TokenScorer``: log π(x_t | x_<t) of each sequence's tokens from ``starts[i]`` on. vLLM's prompt
+        log-probs skip the sampling processors: they are of the model's raw logits (temperature 1)."""
+        if min(starts) < 1:
+            raise ValueError("a scored sequence starts at index >= 1: its first token has no context to be read from")
+        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], score_params(), use_tqdm=False)
+        return prompt_logprobs_of(outputs, sequences, starts)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Rollout:
         completions, stop_ids = self.sample(prompts, params, n)

@@ -7,6 +7,8 @@ GPUs in production, on CPU in the tests) and the trainer talks to it over HTTP:
     POST /generate      {"prompts": [[id, ...]], "params": {SamplingParams fields}, "n": G}
                         → {"completions": [{"token_ids", "logprobs", "stopped"}], "stop_ids": [...]}
     POST /load_weights  body: the weights as safetensors bytes → {"tensors": count}
+    POST /score         {"sequences": [[id, ...]], "starts": [int]} → {"logprobs": [[float, ...]]}
+                        (the served model grading given tokens: a distillation teacher in its own process)
 
 Weights travel as one safetensors blob per sync: simple and exact, and fine for small models or
 a fast link; a 7B model moves ~14 GB per step this way (NCCL broadcast, as TRL's server mode does
@@ -25,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from torch import nn
 
+from posttrain.errors import UserError
 from posttrain.rollout.base import Rollout, SamplingParams
 from posttrain.rollout.hf import eos_token_ids
 from posttrain.rollout.vllm_engine import VLLMEngine, policy_weights, rollout_from_completions
@@ -35,18 +38,23 @@ class VLLMServerError(RuntimeError):
 
 
 class VLLMServerEngine:
-    """The rollout engine of a trainer whose vLLM runs as ``posttrain vllm-serve`` (rollout.mode=server)."""
+    """The rollout engine of a trainer whose vLLM runs as ``posttrain vllm-serve`` (rollout.mode=server), and
+    the ``TokenScorer`` of a teacher served so (distill's teacher_scoring.mode=server)."""
 
     logprobs_exact = False
 
-    def __init__(self, url: str, tokenizer, timeout: float = 300.0):
+    def __init__(self, url: str, tokenizer, timeout: float = 300.0, section: str = "rollout"):
         self.url = url.rstrip("/")
+        self.section = section  # the config section that points here, named in errors
         self.tokenizer = tokenizer
         self.timeout = timeout
         self._eos = eos_token_ids(tokenizer)
         # loopback and cluster-internal addresses: never through an HTTP proxy from the environment
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        self.model = self._call("/health")["model"]  # fail at start, not at the first rollout
+        try:  # fail at start, not at the first rollout: a server not started (yet) is the user's to fix
+            self.model = self._call("/health")["model"]
+        except VLLMServerError as err:
+            raise UserError(str(err)) from err
 
     def _call(self, path: str, body: bytes | None = None, content_type: str = "application/json") -> dict:
         request = urllib.request.Request(self.url + path, data=body, headers={"Content-Type": content_type})
@@ -58,7 +66,8 @@ class VLLMServerEngine:
         except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out
             raise VLLMServerError(
                 f"vLLM server at {self.url} did not answer {path} within {self.timeout:g}s ({err}); is "
-                f"`posttrain vllm-serve --model PATH` running there? (rollout.server_url, rollout.server_timeout)"
+                f"`posttrain vllm-serve --model PATH` running there? ({self.section}.server_url, "
+                f"{self.section}.server_timeout)"
             ) from err
 
     def sync_weights(self, policy: nn.Module) -> None:
@@ -78,6 +87,11 @@ class VLLMServerEngine:
 
     def generating(self, policy: nn.Module):
         return contextlib.nullcontext()
+
+    def score(self, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """``TokenScorer``: the served model's log-probs of given tokens (``VLLMEngine.score``)."""
+        request = {"sequences": [list(s) for s in sequences], "starts": list(starts)}
+        return self._call("/score", json.dumps(request).encode())["logprobs"]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Rollout:
         params.validate()
@@ -122,6 +136,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, **engine_kwargs
                     params = SamplingParams(**request["params"])
                     completions, stop_ids = engine.sample(request["prompts"], params, request["n"])
                     self._answer(200, {"completions": completions, "stop_ids": stop_ids})
+                elif self.path == "/score":
+                    request = json.loads(body)
+                    self._answer(200, {"logprobs": engine.score(request["sequences"], request["starts"])})
                 elif self.path == "/load_weights":
                     weights = load(body)
                     engine.load(list(weights.items()))

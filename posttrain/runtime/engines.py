@@ -252,7 +252,8 @@ def configure(accelerator, micro_batch_size: int, accumulation: int, max_grad_no
     """
     if not is_deepspeed(accelerator):
         return
-    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    plugin = accelerator.state.deepspeed_plugin
+    config = plugin.deepspeed_config
     wanted = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulation,
@@ -265,8 +266,12 @@ def configure(accelerator, micro_batch_size: int, accumulation: int, max_grad_no
         "train_batch_size": "run.batch_size",
         "gradient_clipping": "optim.max_grad_norm",
     }
+    # the plugin outlives a run (accelerate's state is shared in the process): a later run in this process is
+    # checked against what the user's config said, not against what the run before wrote
+    if not hasattr(plugin, "posttrain_given"):
+        plugin.posttrain_given = {key: config.get(key, "auto") for key in wanted}
     for key, value in wanted.items():
-        given = config.get(key, "auto")
+        given = plugin.posttrain_given[key]
         # accelerate writes gradient_accumulation_steps=1 when the config leaves it out: 1 means unset
         unset = given == "auto" or (key == "gradient_accumulation_steps" and given == 1)
         if not unset and float(given) != float(value):

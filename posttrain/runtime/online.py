@@ -273,9 +273,11 @@ class OnlineTrainer:
         cfg, acc = self.config, self.accelerator
         state, self.logger = start_run(acc, cfg, self.total_steps, self.name)
         start_step = 0 if state is None else self.load_state(state)
-        if state is None and acc.num_processes > 1:
+        if state is None:
             # every process was seeded alike for identical model init; sampling needs a stream per process
-            # (or two processes given one prompt draw the same responses). A resume restores each one's.
+            # (or two processes given one prompt draw the same responses), and one that does not depend on
+            # how the frozen roles were loaded (a teacher's forward here or in vLLM: the same samples). A
+            # resume restores each one's.
             torch.manual_seed(cfg.run.seed + acc.process_index)
         if state is not None:
             self.monitor.resume(cfg.run.output_dir)

@@ -9,7 +9,8 @@ Per step, for P prompts:
   1. GKD's draw (``lmbda`` = λ): with probability λ the student samples G responses per prompt, keeping the
      sampling log-probs (the "old" policy), and reward functions, when given, score them for the log only
      (never in the loss); otherwise the batch is the data set's own completions of P·G prompts;
-  2. the teacher scores every sampled token: log π_T(y_t), one no-grad pass in micro-batches
+  2. the teacher scores every sampled token: log π_T(y_t), one no-grad pass in micro-batches, or one request
+     to a vLLM engine of the teacher's weights, colocated or served (``teacher_scoring``)
      (loss=jsd: in the update instead, from the teacher's whole distribution at each position);
   3. loss=reverse_kl: per-token advantages A_t = −(log π_old(y_t) − log π_T(y_t)), discount 0;
   4. ``minibatches`` shuffled minibatches, one optimizer step each: reverse_kl = the clipped surrogate with
@@ -46,7 +47,7 @@ from posttrain.errors import UserError
 from posttrain.models import ModelConfig, load_policy, load_tokenizer, response_logits
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, score_rollout
-from posttrain.rollout import Rollout, RolloutConfig, SamplingParams
+from posttrain.rollout import Rollout, RolloutConfig, SamplingParams, ScoringConfig, build_scorer, scored_logprobs
 from posttrain.rollout.base import build_rollout
 from posttrain.runtime import engines
 from posttrain.runtime.config import (
@@ -114,7 +115,11 @@ class DistillConfig:
     loss_agg: str = "token-mean"
     """Loss reduction: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     teacher_device: str | None = None
-    """Device of the teacher (e.g. cpu to offload it); null = the training device."""
+    """Device of the teacher (e.g. cpu to offload it); null = the training device (teacher_scoring.engine=hf)."""
+    teacher_scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    """Where the teacher grades the sampled tokens: engine=hf, its forward in the training process; engine=vllm,
+    a vLLM engine of its weights (loss=reverse_kl at temperature 1), colocated or, with mode=server, in another
+    process (`posttrain vllm-serve --model TEACHER --port 8001`)."""
     rewards: list[RewardSpec] = field(default_factory=list)
     """Reward functions logged as reward/* (e.g. an exact-answer check), never in the loss; the default
     rewards of the held-out evaluation."""
@@ -174,6 +179,7 @@ class DistillConfig:
             )
         check_policy_loss("ppo", self.clip_low, self.clip_high, ("ppo",))
         self._reject_other_loss_knobs()
+        self._check_teacher_scoring()
         if (self.eval.path or self.data.eval_fraction > 0) and not (self.eval.rewards or self.rewards):
             asked = f"eval.path={self.eval.path}" if self.eval.path else f"data.eval_fraction={self.data.eval_fraction}"
             raise ValueError(
@@ -195,6 +201,28 @@ class DistillConfig:
                     f"rollout.importance_sampling={self.rollout.importance_sampling}: loss=jsd compares whole "
                     "distributions at the sampled positions, with no importance weight to correct; leave it none"
                 )
+
+    def _check_teacher_scoring(self) -> None:
+        """A vLLM teacher returns log-probs of the sampled tokens at temperature 1, and nothing else."""
+        if self.teacher_scoring.engine != "vllm":
+            return
+        if self.loss == "jsd":
+            raise ValueError(
+                "teacher_scoring.engine=vllm with loss=jsd: the generalized JSD reads the teacher's whole distribution "
+                "at every response position, and vLLM returns the log-probs of the given tokens only; use loss="
+                "reverse_kl (the teacher's log-prob of each sampled token), or teacher_scoring.engine=hf"
+            )
+        if self.sampling.temperature != 1:
+            raise ValueError(
+                f"teacher_scoring.engine=vllm with sampling.temperature={self.sampling.temperature}: vLLM's log-probs "
+                "of given tokens are of the raw logits (temperature 1), while reverse_kl compares them with the "
+                "student's at the sampling temperature; sample at temperature 1, or use teacher_scoring.engine=hf"
+            )
+        if self.teacher_device is not None:
+            raise ValueError(
+                f"teacher_device={self.teacher_device} places the teacher of teacher_scoring.engine=hf; a vLLM teacher "
+                "lives in its engine (teacher_scoring.gpu_memory_utilization, or mode=server for another process)"
+            )
 
     @property
     def divergence_temperature(self) -> float:
@@ -298,9 +326,15 @@ class DistillTrainer(OnlineTrainer):
         if config.rewards:  # logged only: no unscored-steps stop
             self.rewards = RewardComposer.from_specs(config.rewards, self.tokenizer, None, warn=self.console_warning)
         policy = load_policy(replace(config.model, device="cpu"))
-        self.teacher = engines.build_reference(
-            acc, policy, config.teacher, "copy", path=config.teacher.path, device=config.teacher_device
-        )
+        self.teacher, self.teacher_scorer = None, None
+        if config.teacher_scoring.engine == "hf":
+            self.teacher = engines.build_reference(
+                acc, policy, config.teacher, "copy", path=config.teacher.path, device=config.teacher_device
+            )
+        else:  # a vLLM engine of the teacher's weights, here or in its own process
+            scoring, seed = config.teacher_scoring, config.run.seed
+            self.teacher_scorer = build_scorer(scoring, config.teacher.path, self.tokenizer, seed)
+        acc.print(f"[{self.name}] teacher {config.teacher.path}: {config.teacher_scoring.describe()}")
         updates = self.total_steps * config.minibatches
         optimizer, scheduler = build_optimizer(
             [p for p in policy.parameters() if p.requires_grad], config.optim, updates
@@ -338,7 +372,10 @@ class DistillTrainer(OnlineTrainer):
         teacher_logprobs = advantages = None
         if cfg.loss == "reverse_kl":
             with timer("teacher"):
-                teacher_logprobs = reference_logprobs(self.teacher, rollout, micro, device)
+                if self.teacher_scorer is not None:
+                    teacher_logprobs = scored_logprobs(self.teacher_scorer, rollout).to(device)
+                else:
+                    teacher_logprobs = reference_logprobs(self.teacher, rollout, micro, device)
             advantages = reverse_kl_advantages(old_logprobs, teacher_logprobs, mask)
             if is_weights is not None:  # w·min(r·A, clip(r)·A) = min(r·wA, clip(r)·wA) for w ≥ 0
                 advantages = advantages * is_weights
