@@ -539,3 +539,29 @@ def test_a_vllm_teacher_is_refused_where_it_cannot_grade(tiny_dir, prompts, tmp_
             _distill(policy, policy, prompts, tmp_path / "x", *overrides)
     config = _distill(policy, policy, prompts, tmp_path / "x", vllm, "teacher_scoring.mode=server")
     assert config.teacher_scoring.describe() == "engine=vllm mode=server url=http://127.0.0.1:8001 timeout=300s"
+
+
+def test_a_lora_student_with_gradient_checkpointing_starts_as_its_base_and_trains_the_adapter(
+    tiny_dir, prompts, tmp_path
+):
+    """model.lora with gradient checkpointing: at step 1 the student is its base model (ΔW = 0), so the step's
+    samples and the teacher's grades equal a full-model run's, the first ratio is 1; the adapter is what trains
+    (its B matrices, 0 at the start, moved) and what is saved."""
+    lora = "model.lora={r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj], lora_dropout: 0.0}"
+    policy, teacher = str(tiny_dir / "policy"), str(tiny_dir / "qwen2")
+    hf = "rollout.engine=hf"  # auto would sample the base model with the lean loop, the peft model with generate
+    adapter = _distill(policy, teacher, prompts, tmp_path / "lora", lora, "model.gradient_checkpointing=true", hf)
+    adapter.run.max_steps, adapter.optim.lr = 2, 1e-2
+    train_distill(adapter)
+    full = _distill(policy, teacher, prompts, tmp_path / "full", "run.max_steps=1", hf)
+    train_distill(full)
+    assert (tmp_path / "lora" / "final" / "policy" / "adapter_config.json").is_file()
+    first, second = read_metrics(tmp_path / "lora")
+    (plain,) = read_metrics(tmp_path / "full")
+    for key in ("distill/reverse_kl", "distill/teacher_logprob", "distill/student_logprob"):
+        assert first[key] == pytest.approx(plain[key], abs=1e-6), key
+    assert first["policy/first_minibatch_ratio_max"] == pytest.approx(1.0, abs=1e-5) and first["grad_norm"] > 0
+    saved = load_file(tmp_path / "lora" / "final" / "policy" / "adapter_model.safetensors")
+    assert saved and all("lora_" in k for k in saved)  # the adapter alone is saved
+    assert all(saved[k].abs().max() > 0 for k in saved if "lora_B" in k)  # B starts at 0: it trained
+    assert math.isfinite(second["policy/loss"])

@@ -174,3 +174,21 @@ def test_config_errors_name_the_field():
             load_config(OnlineDPOConfig, None, [*base, *override.split()])
     with pytest.raises(ValueError, match="rewards: at least one"):
         load_config(OnlineDPOConfig, None, ["model.path=m", "data.path=d"])
+
+
+def test_a_lora_policy_with_gradient_checkpointing_reads_the_adapter_off_reference(noisy_sft, tmp_path):
+    """model.lora with gradient checkpointing: the optimizer trains the adapter only and saves it; the reference is
+    the same weights with the adapter off (reference=auto), so step 1 starts at ln 2 with implicit rewards 0 and
+    later steps move the adapter-on policy away from it; the KL equals a run whose reference is a frozen copy."""
+    lora = "model.lora={r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj], lora_dropout: 0.0}"
+    common = (lora, "model.gradient_checkpointing=true", "run.max_steps=3", "optim.lr=5e-3", "run.batch_size=32")
+    config = _online_dpo(noisy_sft, tmp_path, "adapter", *common)
+    train(config)
+    assert (tmp_path / "adapter" / "final" / "policy" / "adapter_config.json").is_file()
+    records = read_metrics(config.run.output_dir)
+    assert records[0]["loss"] == pytest.approx(math.log(2), rel=1e-6) and records[0]["rewards/margin"] == 0
+    assert any(abs(r["kl/per_token"]) > 1e-4 for r in records[1:])  # the adapter-on policy left its reference
+    copy = _online_dpo(noisy_sft, tmp_path, "copy", *common, "reference=copy")
+    train(copy)
+    kl = [r["kl/per_token"] for r in read_metrics(copy.run.output_dir)]
+    assert kl == pytest.approx([r["kl/per_token"] for r in records], abs=1e-6)

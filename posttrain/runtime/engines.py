@@ -266,20 +266,20 @@ def configure(accelerator, micro_batch_size: int, accumulation: int, max_grad_no
         "train_batch_size": "run.batch_size",
         "gradient_clipping": "optim.max_grad_norm",
     }
-    # the plugin outlives a run (accelerate's state is shared in the process): a later run in this process is
-    # checked against what the user's config said, not against what the run before wrote
-    if not hasattr(plugin, "posttrain_given"):
-        plugin.posttrain_given = {key: config.get(key, "auto") for key in wanted}
+    # the plugin outlives a run (accelerate's state is shared in the process): what an earlier run in this
+    # process wrote is not the user's
+    written = getattr(plugin, "posttrain_written", {})
     for key, value in wanted.items():
-        given = plugin.posttrain_given[key]
+        given = config.get(key, "auto")
         # accelerate writes gradient_accumulation_steps=1 when the config leaves it out: 1 means unset
-        unset = given == "auto" or (key == "gradient_accumulation_steps" and given == 1)
+        unset = given == "auto" or (key == "gradient_accumulation_steps" and given == 1) or written.get(key) == given
         if not unset and float(given) != float(value):
             raise UserError(
                 f"the DeepSpeed config sets {key}={given}, but posttrain needs {value} here ({decided_by[key]}): "
                 f"leave {key} out of the accelerate/DeepSpeed config, posttrain sets it"
             )
         config[key] = value
+    plugin.posttrain_written = wanted
     zero = config.setdefault("zero_optimization", {})
     # save_checkpoint / save_final write hf/<role> from the full state dict: gathered from the shards
     zero["stage3_gather_16bit_weights_on_model_save"] = True
