@@ -246,18 +246,10 @@ def server(tiny_dir, tmp_path):
 def _check_asynchronous_grpo_one_version_behind(tiny_dir, tmp_path, url):
     """rollout.async_steps=1 with mode=server: the producer process sends the server each version's weights
     before the batches that need it, and the trainer trains on batches one version old."""
-    import json as json_
-    import urllib.request
-
     from posttrain.runtime.metrics import read_metrics
     from posttrain.trainers.grpo import train
 
-    def weight_loads() -> int:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(url + "/health", timeout=30) as response:
-            return json_.loads(response.read())["weight_loads"]
-
-    before = weight_loads()
+    before = _weight_loads(url)
     overrides = ["rollout.mode=server", f"rollout.server_url={url}", "rollout.async_steps=1"]
     config = _grpo_config(
         tiny_dir, tmp_path, *overrides, "rollout.importance_sampling=token", f"run.output_dir={tmp_path / 'async'}"
@@ -267,45 +259,27 @@ def _check_asynchronous_grpo_one_version_behind(tiny_dir, tmp_path, url):
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
     assert rows[0]["rollout/logprob_diff_max"] < 1e-4  # drawn by version 0, the trainer's π_old at step 1
     assert rows[2]["rollout/logprob_diff_max"] > 1e-3  # drawn by version 1, trained at version 2 (lr 1e-2)
-    assert weight_loads() - before == 2  # version 0 (batches 1, 2), version 1 (batch 3)
+    assert _weight_loads(url) - before == 2  # version 0 (batches 1, 2), version 1 (batch 3)
 
 
-def test_a_vllm_server_as_teacher_then_sampler_then_a_clear_error_when_it_is_gone(tiny_dir, tmp_path, server):
-    """One server, started once: first the teacher of a distillation step (teacher_scoring.mode=server; the
-    server's tiny Llama grades a tiny Qwen2 student with the same tokenizer): the step equals one with the
-    teacher's forward in the training process, and no weights are sent to it; then the sampler of GRPO
-    (synchronous and one version behind); then gone, a clear error."""
-    from posttrain.rollout.vllm_server import VLLMServerError
-    from posttrain.trainers.grpo import GRPOTrainer
-
-    url, process = server
-    teacher = ("teacher_scoring.engine=vllm", "teacher_scoring.mode=server", f"teacher_scoring.server_url={url}")
-    _distill_alike(tmp_path, "served", tiny_dir / "qwen2", tiny_dir / "policy", *teacher)
-    with urllib.request.urlopen(f"{url}/health", timeout=30) as answer:
-        assert json.loads(answer.read())["weight_loads"] == 0
-
-    config = _grpo_config(tiny_dir, tmp_path, "rollout.mode=server", f"rollout.server_url={url}")
-    trainer = GRPOTrainer(config)
-    result = trainer.train()
-    _check_three_synced_steps(config, result)
-    _check_asynchronous_grpo_one_version_behind(tiny_dir, tmp_path, url)  # the same server: one start-up
-
-    process.kill()
-    process.wait()
-    with pytest.raises(VLLMServerError, match="did not answer /generate"):
-        trainer.engine.generate(_prompts(trainer.tokenizer), PARAMS, n=2)
+def _weight_loads(url: str) -> int:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url + "/health", timeout=30) as answer:
+        return json.loads(answer.read())["weight_loads"]
 
 
-def test_grpo_under_fsdp2_on_two_processes_against_a_vllm_server(tiny_dir, tmp_path, server):
-    """FSDP2 on 2 gloo processes (examples/accelerate/fsdp2.yaml) sampling from a vLLM server: each weight
+def _check_grpo_under_fsdp2_against_the_server(tiny_dir, tmp_path, url):
+    """FSDP2 on 2 gloo processes (examples/accelerate/fsdp2.yaml) sampling from the vLLM server: each weight
     sync gathers the policy's shards whole (``policy_weights``) before pushing them, so every rollout is
     sampled from the weights the trainer just stepped to (lr 1e-2: shards or stale weights would show)."""
     from posttrain.runtime.metrics import read_metrics
 
-    url, _ = server
+    before = _weight_loads(url)
     overrides = _grpo_overrides(tiny_dir, tmp_path, "rollout.mode=server", f"rollout.server_url={url}")
-    spec = tmp_path / "runs.json"
-    spec.write_text(json.dumps([["grpo", overrides + ["run.micro_batch_size=4"]]]))
+    spec = tmp_path / "fsdp.json"
+    spec.write_text(
+        json.dumps([["grpo", overrides + ["run.micro_batch_size=4", f"run.output_dir={tmp_path / 'fsdp'}"]]])
+    )
     root = Path(__file__).parent.parent
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
     command += [str(root / "examples" / "accelerate" / "fsdp2.yaml"), "--num_processes", "2"]
@@ -314,13 +288,38 @@ def test_grpo_under_fsdp2_on_two_processes_against_a_vllm_server(tiny_dir, tmp_p
     assert done.returncode == 0, done.stderr[-5000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [2]
     assert "training engine: FSDP2, 2 process(es)" in done.stdout
-    rows = read_metrics(tmp_path / "run")
+    rows = read_metrics(tmp_path / "fsdp")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-4, r
     # one hand-over per sync for both processes (at the start and after each of the 3 steps), not one each
-    with urllib.request.urlopen(f"{url}/health", timeout=30) as answer:
-        assert json.loads(answer.read())["weight_loads"] == 4
+    assert _weight_loads(url) - before == 4
+
+
+def test_a_vllm_server_as_teacher_then_sampler_then_a_clear_error_when_it_is_gone(tiny_dir, tmp_path, server):
+    """One server, started once: first the teacher of a distillation step (teacher_scoring.mode=server; the
+    server's tiny Llama grades a tiny Qwen2 student with the same tokenizer): the step equals one with the
+    teacher's forward in the training process, and no weights are sent to it; then the sampler of GRPO
+    (synchronous, one version behind, and under FSDP2 on two processes); then gone, a clear error."""
+    from posttrain.rollout.vllm_server import VLLMServerError
+    from posttrain.trainers.grpo import GRPOTrainer
+
+    url, process = server
+    teacher = ("teacher_scoring.engine=vllm", "teacher_scoring.mode=server", f"teacher_scoring.server_url={url}")
+    _distill_alike(tmp_path, "served", tiny_dir / "qwen2", tiny_dir / "policy", *teacher)
+    assert _weight_loads(url) == 0
+
+    config = _grpo_config(tiny_dir, tmp_path, "rollout.mode=server", f"rollout.server_url={url}")
+    trainer = GRPOTrainer(config)
+    result = trainer.train()
+    _check_three_synced_steps(config, result)
+    _check_asynchronous_grpo_one_version_behind(tiny_dir, tmp_path, url)  # the same server: one start-up
+    _check_grpo_under_fsdp2_against_the_server(tiny_dir, tmp_path, url)
+
+    process.kill()
+    process.wait()
+    with pytest.raises(VLLMServerError, match="did not answer /generate"):
+        trainer.engine.generate(_prompts(trainer.tokenizer), PARAMS, n=2)
 
 
 def test_ppo_two_steps_with_colocated_vllm(tiny_dir, tmp_path):
