@@ -437,11 +437,17 @@ def test_online_dpo_samples_with_vllm_and_a_judge_gives_vllm_verdicts(tiny_dir, 
     from posttrain.trainers.online_dpo import OnlineDPOConfig, train
 
     driver = Path(__file__).parent / "ddp_driver.py"
-    overrides = _distill_overrides(tmp_path, "online_dpo", tiny_dir / "policy", "unused")
-    overrides = [o for o in overrides if not o.startswith(("teacher.path", "rollout.engine", "optim.lr", "run.max"))]
-    overrides += [
+    overrides = [
+        f"model.path={tiny_dir / 'policy'}",
+        f"data.path={_digit_prompts(tmp_path)}",
+        "data.chat_template=never",
+        f"run.output_dir={tmp_path / 'online_dpo'}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
         f"rewards=[{{function: '{driver}:character_sum'}}]",
+        "sampling.max_new_tokens=6",
         "num_generations=4",
+        "run.batch_size=8",
         "run.max_steps=2",
         "optim.lr=1e-2",
         "rollout.engine=vllm",
