@@ -96,7 +96,9 @@ def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
         "--out", help="HTML file to write (default: RUN_DIR/report.html for one run, else ./report.html)"
     )
     serve = sub.add_parser("vllm-serve", help="serve rollouts from vLLM to trainers with rollout.mode=server")
-    serve.add_argument("--model", required=True, help="checkpoint folder (the policy's starting weights)")
+    serve.add_argument(
+        "--model", required=True, help="checkpoint folder (the policy's starting weights, or a distillation teacher)"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="0 = any free port (printed at start)")
     serve.add_argument("--dtype", default="auto", help="vLLM weight dtype: auto, float32, bfloat16, float16")

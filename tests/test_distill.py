@@ -533,6 +533,7 @@ def test_a_vllm_teacher_is_refused_where_it_cannot_grade(tiny_dir, prompts, tmp_
             "teacher_scoring.enforce_eager=true",
         ),
         r"teacher_scoring.engine must be one of \('hf', 'vllm'\), got 'vlm'": ("teacher_scoring.engine=vlm",),
+        r"teacher_scoring.dtype must be one of \('auto', .*got 'fp32'": (vllm, "teacher_scoring.dtype=fp32"),
     }
     for message, overrides in refused.items():
         with pytest.raises(ValueError, match=message):

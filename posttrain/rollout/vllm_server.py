@@ -64,8 +64,10 @@ class VLLMServerEngine:
         except urllib.error.HTTPError as err:
             raise VLLMServerError(f"vLLM server {self.url}{path} failed: {err.code} {err.read()[:2000]!r}") from err
         except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out
+            reason = getattr(err, "reason", err)
+            waited = f" within {self.timeout:g}s" if isinstance(reason, TimeoutError) else ""
             raise VLLMServerError(
-                f"vLLM server at {self.url} did not answer {path} within {self.timeout:g}s ({err}); is "
+                f"vLLM server at {self.url} did not answer {path}{waited} ({reason}); is "
                 f"`posttrain vllm-serve --model PATH` running there? ({self.section}.server_url, "
                 f"{self.section}.server_timeout)"
             ) from err

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -334,6 +335,13 @@ class DistillTrainer(OnlineTrainer):
         else:  # a vLLM engine of the teacher's weights, here or in its own process
             scoring, seed = config.teacher_scoring, config.run.seed
             self.teacher_scorer = build_scorer(scoring, config.teacher.path, self.tokenizer, seed)
+            served = getattr(self.teacher_scorer, "model", config.teacher.path)  # a server reports what it holds
+            if os.path.realpath(served) != os.path.realpath(config.teacher.path):
+                self.console_warning(
+                    f"the teacher server at {scoring.server_url} holds {served}, teacher.path is "
+                    f"{config.teacher.path}: the server's model grades the samples (teacher.path gives the "
+                    "tokenizer checked against the student's)"
+                )
         acc.print(f"[{self.name}] teacher {config.teacher.path}: {config.teacher_scoring.describe()}")
         updates = self.total_steps * config.minibatches
         optimizer, scheduler = build_optimizer(
