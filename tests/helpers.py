@@ -107,3 +107,43 @@ def assert_adam_trained_alike(
     allowed = max(1, int(share * diff.numel()))
     assert off <= allowed, f"{msg}: {off} of {diff.numel()} elements differ by more than {atol} (at most {allowed})"
     assert worst <= bound, f"{msg}: an element differs by {worst:.3g}, beyond Adam's bound {bound:.3g}"
+
+
+def nan_updates_from(step: int, accumulate):
+    """``posttrain.runtime.loop.accumulate_gradients`` (``accumulate``) made to give the ``step``-th update and
+    every later one a NaN loss and NaN in every gradient, as a blown-up model does: the non-finite guard's
+    input made deterministic. A learning rate of 1e6 NaNs the tiny model on a 2-core AMD EPYC but leaves it
+    saturated and finite on a 2-core Intel Xeon (AMX), where no guard fires (issue 34)."""
+    import math
+
+    calls = 0
+
+    def poisoned(accelerator, task, model, batches):
+        nonlocal calls
+        calls += 1
+        totals, loss = accumulate(accelerator, task, model, batches)
+        if calls < step:
+            return totals, loss
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.fill_(math.nan)
+        return totals, math.nan
+
+    return poisoned
+
+
+def dead_copy(tiny_dir, dst):
+    """A copy of the tiny policy whose final norm and output weights are 0: every logit is 0 whatever the
+    input, and every gradient is exactly 0 (the output layer sees a zero hidden state, the layers below a
+    zero output weight): a dead model on any CPU, as lr=1e6 makes one on some."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_dir / "policy", dst)
+    weights = load_file(dst / "model.safetensors")
+    for key in ("model.norm.weight", "lm_head.weight"):
+        weights[key] = torch.zeros_like(weights[key])
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

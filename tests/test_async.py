@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import crash_at
 from safetensors.torch import load_file
+from test_trainers_online import REWARD_FILE
 from test_trainers_online import _grpo as online_grpo
 
 from posttrain.runtime.checkpoint import list_checkpoints
@@ -216,6 +217,35 @@ def test_one_pass_takes_pi_old_from_its_own_forward_and_updates_as_the_separate_
     x = load_file(tmp_path / "one_pass" / "final" / "policy" / "model.safetensors")
     y = load_file(tmp_path / "separate" / "final" / "policy" / "model.safetensors")
     assert all(torch.allclose(x[k], y[k], atol=1e-6) for k in x)
+
+
+def test_one_pass_tallies_the_kl_over_the_trained_tokens_as_the_separate_pass_does(noisy_sft, tmp_path, monkeypatch):
+    """With unscored rows (a reward of None) and truncated ones left out (mask_truncated), the one-pass update's
+    KL metrics count the tokens that train, as the separate pass's do: not every sampled token, and
+    ``kl/per_sequence`` over the rows that train, not over rows whose KL was never summed."""
+    (tmp_path / "my_rewards.py").write_text(REWARD_FILE)
+    common = [
+        "run.max_steps=3",
+        "run.batch_size=32",  # 8 prompts a step, each step with one-digit and two-digit sums
+        "rollout.async_steps=1",
+        "rollout.importance_sampling=token",
+        "kl_coef=0.05",
+        "mask_truncated=true",
+        "sampling.max_new_tokens=2",  # one-digit sums end in time, two-digit ones are cut
+        f"rewards=[{{function: '{tmp_path / 'my_rewards.py'}:quarter_unscored'}}]",
+    ]
+    train_grpo(_grpo(noisy_sft, tmp_path, "one_pass", *common))
+    with monkeypatch.context() as patch:
+        patch.setattr(GRPOTrainer, "single_pass", lambda self, rollout: False)
+        train_grpo(_grpo(noisy_sft, tmp_path, "separate", *common))
+    one, separate = read_metrics(tmp_path / "one_pass"), read_metrics(tmp_path / "separate")
+    assert [r["passes/old_logprobs"] for r in one] == [0, 0, 0]
+    assert all(r["reward/applicable_share"] == 0.75 for r in one)
+    assert all(0 < r["truncated_share"] < 1 for r in one)  # some rows cut at max_new_tokens, left out
+    for a, b in zip(one, separate, strict=True):
+        assert a["truncated_share"] == b["truncated_share"]  # the same samples
+        for key in ("kl/per_token", "kl/per_sequence"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
 
 
 def test_the_producer_ignores_a_sigterm_sent_to_every_process_of_the_job(noisy_sft, tmp_path):

@@ -72,3 +72,67 @@ def test_the_checks_see_what_they_look_for():
     found = [ISSUE.search(text).group(0) for _, text in _comments_and_docstrings(source) if ISSUE.search(text)]
     assert sorted(found) == ["Issue 3", "issue #12"]
     assert not ISSUE.search("pytorch issues 17199 and a tissue 5")
+
+
+def _import_graph(root: Path) -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, read from the source of the package at ``root``: at the top
+    or inside a function, absolute or relative; ``from p import name`` counts as the module ``p.name`` when
+    there is one, else as ``p``."""
+    paths = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = []
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets += [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets += [a.name for a in node.names]
+        graph[name] = set()
+        for target in targets:
+            while target and target not in paths:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def _circular(graph: dict[str, set[str]]) -> list[str]:
+    """The modules that import themselves, through one other module or more."""
+    return sorted(m for m in graph if any(m in _reach(graph, used) for used in graph[m]))
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph.get(module, ())
+    return seen
+
+
+def test_no_two_modules_import_each_other():
+    """No import circle, direct (a imports b, b imports a) or through others, counting lazy imports inside
+    functions: a module's dependencies are below it, and a registry sits above what it registers."""
+    assert _circular(_import_graph(ROOT)) == []
+
+
+def test_the_circle_check_sees_lazy_and_relative_imports(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("from pkg.sub.b import x\n")
+    (package / "sub" / "a.py").write_text("def f():\n    from . import b\n")
+    (package / "sub" / "b.py").write_text("x = 1\ndef g():\n    from pkg.sub import a\n")
+    (package / "c.py").write_text("from .sub import b\n")
+    graph = _import_graph(package)
+    assert graph["pkg.sub.a"] == {"pkg.sub.b"} and graph["pkg.c"] == {"pkg.sub.b"}
+    assert _circular(graph) == ["pkg.sub.a", "pkg.sub.b"]

@@ -279,3 +279,134 @@ def test_lora_keys_and_a_critic_from_a_lora_reward_model_are_refused_at_start(tm
     ):
         load_config(PPOConfig, None, base)
     assert load_config(PPOConfig, None, [*base, "critic=policy"]).critic == "policy"
+
+
+# -- issue 34: Python as TRL users write it; TRL's names in the hints ------------------------------------
+
+
+def correct_sum(prompts, completions, answer, **columns):
+    return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def test_a_section_built_in_python_keeps_the_trainers_defaults_as_yaml_does():
+    """``GRPOConfig(data=DataConfig(path=...))`` got DataConfig's own defaults (max_length 1024, no prompt limit)
+    instead of GRPO's (no max_length, 512 prompt tokens), and ``OptimConfig(lr=...)`` a linear schedule instead
+    of GRPO's constant one: the same settings from YAML or key=value kept GRPO's. Every trainer whose section
+    defaults differ from the section class's resolves a section built in Python the same way."""
+    import importlib
+
+    from posttrain.cli import TRAINERS
+
+    checked = 0
+    for module, name, _ in TRAINERS.values():
+        cls = getattr(importlib.import_module(module), name)
+        for f in dataclasses.fields(cls):
+            if f.default_factory is dataclasses.MISSING or not dataclasses.is_dataclass(f.default_factory()):
+                continue
+            default, section_cls = f.default_factory(), type(f.default_factory())
+            bare = section_cls()
+            changed = [g.name for g in dataclasses.fields(bare) if getattr(default, g.name) != getattr(bare, g.name)]
+            if not changed:
+                continue
+            other = next(g for g in dataclasses.fields(section_cls) if g.name not in changed and g.init)
+            value = getattr(default, other.name)
+            # a value of the field's own type that differs from the default
+            given = {str: "x", bool: not value, int: 7, float: 0.5}.get(type(value), value)
+            built = cls(**{f.name: section_cls(**{other.name: given})})
+            assert getattr(getattr(built, f.name), other.name) == given
+            for key in changed:
+                assert getattr(getattr(built, f.name), key) == getattr(default, key), (name, f.name, key)
+            checked += 1
+    assert checked >= 8  # data, optim and sampling of grpo, ppo, online-dpo, distill (and the rest)
+
+
+def test_grpo_config_from_python_equals_the_same_from_key_value():
+    from posttrain import DataConfig, GRPOConfig, ModelConfig, OptimConfig, RunConfig, SamplingParams
+
+    python = GRPOConfig(
+        model=ModelConfig(path="m"),
+        data=DataConfig(path="d"),
+        optim=OptimConfig(lr=5e-6),
+        sampling=SamplingParams(max_new_tokens=16),
+        run=RunConfig(batch_size=32),
+        rewards=[correct_sum],
+    )
+    cli = load_config(
+        GRPOConfig,
+        None,
+        ["model.path=m", "data.path=d", "optim.lr=5e-6", "sampling.max_new_tokens=16", "run.batch_size=32"]
+        + [f"rewards=[{{function: '{__name__}:correct_sum'}}]"],
+    )
+    assert python == cli
+    assert python.data.max_length is None and python.data.max_prompt_length == 512
+    assert python.optim.scheduler == "constant"
+
+
+def test_reward_functions_are_taken_as_trl_takes_them():
+    """``rewards=[correct_sum]`` failed with ``TypeError: argument of type 'function' is not iterable``. The
+    function itself, or a mapping holding it, is recorded by the name that imports it (config.yaml, resume);
+    one no name imports is refused at start saying what to pass."""
+    from posttrain import GRPOConfig, RewardSpec
+
+    name = f"{__name__}:correct_sum"
+    config = GRPOConfig(
+        model=ModelConfig(path="m"),
+        rewards=[correct_sum, {"function": correct_sum, "weight": 0.5}, RewardSpec(function=correct_sum)],
+    )
+    assert [(r.function, r.weight) for r in config.rewards] == [(name, 1.0), (name, 0.5), (name, 1.0)]
+    assert to_dict(config)["rewards"][1]["function"] == name  # what config.yaml holds
+    with pytest.raises(ValueError, match=r"cannot be imported by its name .*define it with def at the top level"):
+        GRPOConfig(rewards=[lambda prompts, completions, **columns: [0.0] * len(completions)])
+    with pytest.raises(ValueError, match=r"rewards\[0\] must be a RewardSpec, a mapping of its fields or a function"):
+        GRPOConfig(rewards=[3])
+    with pytest.raises(ValueError, match=r"unknown config key 'rewards\[0\].wieght' \(did you mean weight\?\)"):
+        GRPOConfig(rewards=[{"function": correct_sum, "wieght": 2}])
+
+
+@pytest.mark.parametrize(
+    "command, key, hint",
+    [
+        ("grpo", "learning_rate=1e-5", "optim.lr"),
+        ("sft", "model_name_or_path=m", "model.path"),
+        ("sft", "per_device_train_batch_size=4", "run.micro_batch_size"),
+        ("sft", "num_train_epochs=2", "run.epochs"),
+        ("grpo", "max_completion_length=64", "sampling.max_new_tokens"),
+        ("dpo", "output_dir=runs/x", "run.output_dir"),
+        ("grpo", "beta=0.0", "kl_coef"),
+        ("grpo", "optim.learning_rate=1e-5", "optim.lr"),
+    ],
+)
+def test_trls_names_get_posttrains_in_the_hint(command, key, hint):
+    """Issue 34: `learning_rate=1e-5` was refused with no hint (difflib finds nothing close to "lr")."""
+    import importlib
+
+    from posttrain.cli import TRAINERS
+
+    module, name, _ = TRAINERS[command]
+    cls = getattr(importlib.import_module(module), name)
+    with pytest.raises(ValueError, match=rf"did you mean {hint}\? posttrain's name for TRL's "):
+        load_config(cls, None, [key])
+    top, _, value = key.partition("=")
+    data = {}
+    node = data
+    parts = top.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    from posttrain.runtime.config import from_dict
+
+    with pytest.raises(ValueError, match=rf"did you mean {hint}\? posttrain's name for TRL's "):  # a YAML file's
+        from_dict(cls, data)
+
+
+def test_every_trl_name_points_at_a_key_some_trainer_has():
+    import importlib
+
+    from posttrain.cli import TRAINERS
+    from posttrain.runtime.config import TRL_NAMES, TRL_NOTES, _has_key
+
+    classes = [getattr(importlib.import_module(m), n) for m, n, _ in TRAINERS.values()]
+    for trl, keys in TRL_NAMES.items():
+        for key in keys:
+            assert any(_has_key(cls, key) for cls in classes), (trl, key)
+    assert set(TRL_NOTES) <= set(TRL_NAMES)

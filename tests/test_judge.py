@@ -196,6 +196,29 @@ def test_template_placeholders_are_data_columns(tiny_dir):
         check_columns(rows, reward_columns(specs), "rows.jsonl")
 
 
+def test_a_completion_column_in_the_rows_leaves_the_judges_reading_the_sampled_completion(tiny_dir):
+    """``posttrain distill`` with λ < 1 needs a ``completion`` column in the prompt rows, and the composer hands
+    every column to every function: ``{completion}`` in a template is still the sampled completion (the one
+    being judged), with or without that column, never a TypeError for two values of it."""
+    judge = {"path": str(tiny_dir / "policy"), "chat_template": "never"}
+    specs = [
+        RewardSpec(JUDGE_YES, kwargs={**judge, "template": "Is {completion} {prompt}? ", "yes": ["y"], "no": ["n"]}),
+        RewardSpec(JUDGE_SCORE, kwargs={**judge, "template": "{prompt}{completion}", "max_new_tokens": 3}),
+    ]
+    prompts, completions = SUMS[:4], ["7", "12", "abc", "3"]
+    reference = {"completion": ["18"] * 4, "answer": ["7", "3", "18", "7"]}
+    with_column = RewardComposer.from_specs(specs, max_unscored_steps=None)(prompts, completions, reference)
+    without = RewardComposer.from_specs(specs, max_unscored_steps=None)(prompts, completions, {})
+    assert with_column.components == without.components
+    template = specs[0].kwargs["template"]
+    assert with_column.components["judge_yes_probability"] == judge_yes_probability(
+        prompts, completions, judge["path"], template, yes=["y"], no=["n"], chat_template="never"
+    )
+    assert with_column.components["judge_yes_probability"] != judge_yes_probability(  # not the column's "18"
+        prompts, reference["completion"], judge["path"], template, yes=["y"], no=["n"], chat_template="never"
+    )
+
+
 def test_judge_functions_run_inline_only():
     spec = RewardSpec("posttrain.rewards.judge:judge_score", kwargs={"path": "j", "template": "{prompt}"})
     assert spec.effective_isolation == "inline"

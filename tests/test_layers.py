@@ -15,7 +15,7 @@ LAYERS = [
     {"runtime"},
     {"monitor"},
     {"models", "data", "rewards", "rollout", "envs"},
-    {"errors"},
+    {"errors", "sections"},
     {"core"},
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -9,8 +9,9 @@ from dataclasses import replace
 
 import pytest
 from conftest import write_jsonl
+from helpers import dead_copy
 
-from posttrain.monitor.alerts import RULES, AlertConfig, HealthMonitor, pearson, read_alerts
+from posttrain.monitor.alerts import DEAD_RUN_RULES, RULES, WATCHED, AlertConfig, HealthMonitor, pearson, read_alerts
 from posttrain.monitor.evaluate import pass_at_k, summarize
 from posttrain.runtime.config import load_config
 from posttrain.runtime.metrics import read_metrics
@@ -243,7 +244,7 @@ def test_alerts_go_to_console_and_jsonl_with_what_was_seen_causes_and_remedy(tmp
     (alert,) = read_alerts(tmp_path)
     assert alert["id"] == 4 and alert["step"] == 1 and "1.5" in alert["seen"]
     assert alert["causes"] and alert["remedy"] and "[alert 4" in seen[0] and alert["remedy"] in seen[0]
-    assert len({r.id for r in RULES}) == 12 and all(r.causes.endswith(".") and r.remedy.endswith(".") for r in RULES)
+    assert len({r.id for r in RULES}) == 13 and all(r.causes.endswith(".") and r.remedy.endswith(".") for r in RULES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -331,13 +332,15 @@ def test_posttrain_eval_reproduces_the_demo_accuracies(healthy_grpo, noisy_sft, 
     from posttrain.demo import accuracy
 
     data = write_jsonl(tmp_path / "held_out.jsonl", HELD_OUT)
-    for model in (noisy_sft["policy"], str(healthy_grpo / "final" / "policy")):
+    for i, model in enumerate((noisy_sft["policy"], str(healthy_grpo / "final" / "policy"))):
         argv = ["eval", "--model", model, "--data", data, "--rewards", "posttrain.rewards.builtin:exact_answer"]
         argv += ["--temperature", "1", "--n", "4", "--k", "1,2,4", "--greedy", "--max-new-tokens", "4"]
+        out = tmp_path / f"eval{i}"
+        argv += ["--output-dir", str(out)]
         assert main([*argv, "data.chat_template=never", "eval.batch_size=100", "model.device=cpu"]) == 0
         printed = capsys.readouterr().out
-        summary = json.loads(printed[printed.index("{") :])
-        assert "eval/greedy/accuracy" in printed.split("{")[0]  # the table comes first
+        summary = json.loads((out / "eval_summary.json").read_text())
+        assert printed.count("eval/greedy/accuracy") == 1  # the table, once; the JSON in the file it names
         assert summary["eval/greedy/accuracy"] == pytest.approx(accuracy(model, HELD_OUT, 0))
         assert summary["eval/sampled/accuracy"] == pytest.approx(accuracy(model, HELD_OUT, 1.0, samples=4, seed=0))
         assert summary["eval/sampled/pass@1"] == pytest.approx(summary["eval/sampled/accuracy"])
@@ -677,5 +680,275 @@ def test_a_long_run_keeps_the_monitor_bounded_and_its_long_memory():
     kept += [v for d in state.values() if isinstance(d, dict) for v in d.values() if isinstance(v, list | deque)]
     kept += [t.then for t in monitor.history.evals.values()] + [t.recent for t in monitor.history.evals.values()]
     assert kept and max(len(v) for v in kept) <= window
-    # one entry per watched metric; the latest record itself for the level rules
-    assert all(len(d) <= 12 for k, d in state.items() if isinstance(d, dict) and k != "last")
+    # one entry per watched metric (and the reward and its std); the latest record itself for the level rules
+    assert all(len(d) <= len(WATCHED) + 2 for k, d in state.items() if isinstance(d, dict) and k != "last")
+
+
+# --------------------------------------------------------------------------------------------------
+# round four: alert 7's baseline and a large held-out drop; alert 15, the score rising with length at the limit
+# --------------------------------------------------------------------------------------------------
+
+
+def _eval_run(rewards: list[float], evals: dict[int, float], window: int = 10) -> list[tuple[int, int, str]]:
+    """(step, id, seen) of the alerts raised on a run logging step 0's held-out score (no training reward
+    yet), then ``rewards[k]`` at step k + 1 and the held-out score ``evals[step]`` at those steps."""
+    monitor = HealthMonitor(AlertConfig(window=window), None, "reward/mean", "reward/std", echo=lambda _: None)
+    raised = [(0, a["id"], a["seen"]) for a in monitor.check(0, {"eval/greedy/score": evals[0]})]
+    for step, reward in enumerate(rewards, 1):
+        record = {**BASE, "reward/mean": reward} | ({"eval/greedy/score": evals[step]} if step in evals else {})
+        raised += [(step, a["id"], a["seen"]) for a in monitor.check(step, record)]
+    return raised
+
+
+def test_alert_7_compares_with_several_rewards_after_step_0_not_one_outlying_batch():
+    """Issue 34, 2b: held-out accuracy 78.7 % at step 0 fell while the training reward rose 0.68 → 0.77, and
+    alert 7 stayed silent: it compared with the reward of the single step-1 batch, 0.835 in that seed."""
+    rewards = [0.835] + [0.68 + 0.0035 * k for k in range(29)]  # 0.68 → 0.778 after an outlying first batch
+    raised = _eval_run(rewards, {0: 0.787, 10: 0.72, 20: 0.70, 30: 0.70})  # 0.087 below: above eval_drop only
+    assert [(step, i) for step, i, _ in raised] == [(20, 7)], raised  # at step 10 it had risen 0.01: noise
+    assert "fell from 0.787 (step 0) to 0.7 while the training reward rose from 0.689 to 0.734" in raised[0][2]
+
+
+def test_alert_7_raises_a_large_held_out_drop_whatever_the_training_reward_does():
+    """Issue 34, 2b: a large held-out drop alerts on its own (here the training reward falls too)."""
+    rewards = [0.70 - 0.004 * k for k in range(30)]
+    raised = _eval_run(rewards, {0: 0.787, 10: 0.70, 20: 0.617, 30: 0.467})
+    assert [(step, i) for step, i, _ in raised] == [(20, 7)], raised  # 0.087 below: no; 0.17 below: yes
+    assert "fell from 0.787 (step 0) to 0.617, 0.17 below its best (alerts.eval_collapse=0.15)" in raised[0][2]
+    assert "the training reward went from 0.69 to 0.634" in raised[0][2]
+    assert _eval_run(rewards, {0: 0.787, 10: 0.70, 20: 0.66, 30: 0.65}) == []  # drops under 0.15: the reward says
+
+
+def test_a_noisy_held_out_score_that_does_not_fall_raises_nothing():
+    """Held-out scores swinging up to 0.09 about a level that does not fall, beside a flat training reward whose
+    first batch was low: the old single-batch baseline (0.45) made the flat reward look like a rise."""
+    rewards = [0.45] + [(0.68 if k % 2 else 0.62) - 0.001 * k for k in range(39)]
+    evals = {0: 0.75, 5: 0.69, 10: 0.77, 15: 0.70, 20: 0.76, 25: 0.68, 30: 0.74, 35: 0.71}
+    assert _eval_run(rewards, evals) == []
+
+
+def test_eval_collapse_and_limit_length_corr_are_validated():
+    with pytest.raises(ValueError, match="alerts.eval_collapse must be > 0"):
+        AlertConfig(eval_collapse=0.0).validate()
+    with pytest.raises(ValueError, match=r"alerts.limit_length_corr must be in \[-1, 1\]"):
+        AlertConfig(limit_length_corr=1.5).validate()
+
+
+def _at_the_limit(truncated, score, corr) -> list[dict]:
+    """A PPO-like stream (its training reward is ``score/mean``) of 12 steps at 64 tokens max."""
+    return [
+        {**BASE, "score/mean": score(i), "score/std": 1.0, "truncated_share": truncated(i)}
+        | ({} if corr(i) is None else {"score/length_corr": corr(i)})
+        for i in range(12)
+    ]
+
+
+def _ppo_stream(records, forced_length=False) -> list[int]:
+    monitor = HealthMonitor(AlertConfig(window=4), None, "score/mean", "score/std", forced_length, echo=lambda _: None)
+    return [a["id"] for step, r in enumerate(records, 1) for a in monitor.check(step, r)]
+
+
+def test_alert_15_the_score_rising_with_length_at_the_limit():
+    """Issue 34, 2b: PPO against a length-biased reward model ran every response to the length limit (85 % →
+    100 % truncated) while the score rose: rule 6 needs the length to grow, rule 10 says only that they are cut."""
+    biased = _at_the_limit(
+        lambda i: min(0.85 + 0.015 * i, 1.0),
+        lambda i: 1.0 + 0.1 * i,
+        lambda i: None if i >= 10 else 0.5,  # the longer responses of a batch score higher; none when all are cut
+    )
+    assert _ppo_stream(biased) == [10, 15]
+    assert 6 not in _ppo_stream(biased)  # the length is pinned at the limit: no growth to see
+    assert _ppo_stream(biased, forced_length=True) == []  # every response cut by design: no signal
+    # a healthy run with a tight budget: the score rises while the cut responses score lower (no answer)
+    healthy = _at_the_limit(lambda i: 0.6, lambda i: 1.0 + 0.1 * i, lambda i: -0.3)
+    assert _ppo_stream(healthy) == [10]
+    flat = _at_the_limit(lambda i: 0.9, lambda i: 1.0 + 0.01 * (i % 2), lambda i: 0.5)  # biased, nothing gained
+    assert _ppo_stream(flat) == [10]
+
+
+# --------------------------------------------------------------------------------------------------
+# round four: alert 12, a dead run, in every trainer
+# --------------------------------------------------------------------------------------------------
+
+
+def _dead_stream(records) -> list[tuple[int, int]]:
+    """(step, id) of the alerts 12 raised on ``records`` by the online trainers' rules."""
+    monitor = HealthMonitor(
+        AlertConfig(window=4), None, "reward/mean", "reward/std", echo=lambda _: None, rules=(*RULES, *DEAD_RUN_RULES)
+    )
+    return [(step, a["id"]) for step, r in enumerate(records, 1) for a in monitor.check(step, r) if a["id"] == 12]
+
+
+def test_alert_12_fires_on_three_updates_with_no_gradient_or_an_unmoving_loss():
+    """Issue 34, 2: ``posttrain dpo ... optim.lr=1e6`` logged a gradient norm of exactly 0 from step 2 on and
+    exited 0 without a word; only SFT watched its gradient, at one step. Three updates in a row, any trainer."""
+    dpo = [{"loss": 0.6931, "grad_norm": 3.9}] + [{"loss": 0.69 + 0.01 * (i % 3), "grad_norm": 0.0} for i in range(9)]
+    assert _dead_stream(dpo) == [(4, 12)]  # steps 2, 3, 4; raised once while it holds
+    recovered = dpo[:4] + [{"loss": 0.6, "grad_norm": 0.5}] + dpo[4:8]
+    assert _dead_stream(recovered) == [(4, 12), (8, 12)]  # again after a live update
+    grpo = [{**r, "grad_norm": 0.0, "policy/loss": 0.0} for r in _healthy(5)]  # a loss ~0 by construction
+    assert _dead_stream(grpo) == [(3, 12)]
+    ppo_critic = [{**r, "critic_grad_norm": 0.0} for r in _healthy(5)]  # a live policy, a dead critic
+    assert _dead_stream(ppo_critic) == [(3, 12)]
+    flat = [{"loss": 0.9, "grad_norm": 0.5}] + [{"loss": 0.6931472, "grad_norm": 0.2}] * 3  # it moved, then stopped
+    assert _dead_stream(flat) == [(4, 12)]  # a gradient, and weights that no longer change
+    distill = [{**r, "grad_norm": 0.0, "distill/reverse_kl": 0.4} for r in _healthy(3)]
+    assert _dead_stream(distill) == [(3, 12)]
+    skipped = [{"loss": 0.7, "grad_norm": 0.0}, {"reward/mean": 0.5}, {"loss": 0.71, "grad_norm": 0.0}]
+    assert _dead_stream([*skipped, {"loss": 0.72, "grad_norm": 0.0}]) == [(4, 12)]  # a step with no update: not one
+    monitor = HealthMonitor(AlertConfig(), None, "loss", "loss", echo=lambda _: None, rules=DEAD_RUN_RULES)
+    assert [monitor.check(k, r) for k, r in enumerate(dpo[:3], 1)][-1] == []
+    (alert,) = monitor.check(4, dpo[3])
+    assert alert["seen"] == (
+        "the gradient norm has been 0 for 3 updates in a row while the loss is 0.71: the updates move nothing"
+    )
+    assert alert["causes"].endswith(".") and alert["remedy"].endswith(".")
+
+
+def test_alert_12_is_silent_where_a_zero_gradient_or_a_flat_loss_is_right():
+    """No false alarm: GRPO steps whose groups are all constant (every advantage 0: a zero gradient by
+    construction), steps with nothing to train (no update, no gradient norm logged), GRPO's ~0 surrogate
+    loss, a fitted model (loss 0), a student equal to its teacher, one zero step among live ones, and
+    non-finite values (alert 11's)."""
+    assert _dead_stream(_healthy()) == []
+    constant_groups = [{**r, "grad_norm": 0.0, "groups/zero_variance_share": 1.0} for r in _healthy()]
+    assert _dead_stream(constant_groups) == []
+    nothing = [{"reward/mean": 0.5, "groups/zero_variance_share": 1.0, "groups/sampled": 8.0}] * 6
+    assert _dead_stream(nothing) == []
+    surrogate = [{**r, "policy/loss": 0.0, "policy/pg_loss": 0.0} for r in _healthy()]
+    assert _dead_stream(surrogate) == []
+    assert _dead_stream([{"loss": 0.0, "grad_norm": 0.0}] * 5) == []
+    assert _dead_stream([{"loss": 2e-4, "grad_norm": 1e-9}] * 5) == []
+    same_teacher = [{**r, "grad_norm": 0.0, "distill/reverse_kl": 0.0} for r in _healthy()]
+    assert _dead_stream(same_teacher) == []
+    one_zero = [{"loss": 1.0 - 0.01 * i, "grad_norm": 0.0 if i == 3 else 0.8} for i in range(10)]
+    assert _dead_stream(one_zero) == []
+    moving = [{"loss": 0.6931 + 1e-4 * i, "grad_norm": 0.3} for i in range(6)]  # slowly, but it moves
+    assert _dead_stream(moving) == []
+    # DPO at a small learning rate: the loss stays at ln 2 (policy = reference) to 1e-7 for several steps while
+    # the gradient is there; the loss has not left its start, so it is slow, not dead (review of issue 34)
+    dpo_start = [{"loss": math.log(2) + 1e-8 * i, "grad_norm": 0.2} for i in range(10)]
+    assert _dead_stream(dpo_start) == []
+    assert _dead_stream([{"loss": math.nan, "grad_norm": math.nan}] * 5) == []
+
+
+def _offline(tiny_dir, tmp_path, name, policy, trainer="dpo", *overrides):
+    """A 6-step run of the offline ``trainer`` (dpo or kto) of ``policy`` on vowel pairs (``overrides`` after)."""
+    import importlib
+
+    from posttrain.data.synthetic import unpaired, vowel_pairs
+    from posttrain.trainers import TRAINERS
+
+    module_name, class_name, _ = TRAINERS[trainer]
+    module = importlib.import_module(module_name)
+    rows = vowel_pairs(64, seed=0)
+    data = write_jsonl(tmp_path / f"{trainer}.jsonl", unpaired(rows) if trainer == "kto" else rows)
+    config = load_config(
+        getattr(module, class_name),
+        None,
+        [
+            f"model.path={policy}",
+            f"data.path={data}",
+            "data.chat_template=never",
+            f"run.output_dir={tmp_path / name}",
+            "run.max_steps=6",
+            "run.batch_size=8",
+            "run.progress=false",
+            "run.report_to=[jsonl]",
+            *overrides,
+        ],
+    )
+    module.train(config)
+    return tmp_path / name
+
+
+def test_a_dead_dpo_run_raises_alert_12_on_the_console_in_alerts_jsonl_and_in_the_report(tiny_dir, tmp_path, capsys):
+    from posttrain.monitor.report import build_report
+
+    run = _offline(tiny_dir, tmp_path, "dead", dead_copy(tiny_dir, tmp_path / "dead_policy"))
+    assert [r["grad_norm"] for r in read_metrics(run)] == [0.0] * 6
+    (alert,) = read_alerts(run)
+    assert (alert["step"], alert["id"], alert["name"]) == (3, 12, "zero_gradient")
+    assert alert["seen"].startswith("the gradient norm has been 0 for 3 updates in a row while the loss is 0.6931")
+    assert "[alert 12 zero_gradient] step 3: the gradient norm has been 0" in capsys.readouterr().out
+    assert (run / "final" / "policy").is_dir()  # a warning, not a stop
+    report = build_report([run])
+    assert "<td>3</td><td>12 zero_gradient</td>" in report and 'id="alerts-of-dead"' in report
+    healthy = _offline(tiny_dir, tmp_path, "healthy", tiny_dir / "policy")
+    assert read_alerts(healthy) == [] and min(r["grad_norm"] for r in read_metrics(healthy)) > 1e-3
+
+
+def test_a_resumed_dead_dpo_run_raises_alert_12_once(tiny_dir, tmp_path):
+    """The offline monitor continues the history of the run it resumes, as the online trainers' does: alert 12,
+    raised at step 3 and still active at the checkpoint (step 4), is not raised again at step 7."""
+    policy = dead_copy(tiny_dir, tmp_path / "dead_policy")
+    run = _offline(tiny_dir, tmp_path, "dead", policy, "dpo", "run.max_steps=4", "run.save_every=4")
+    assert [(a["step"], a["id"]) for a in read_alerts(run)] == [(3, 12)]
+    _offline(tiny_dir, tmp_path, "dead", policy, "dpo", "run.max_steps=8", "run.save_every=4", "run.resume_from=latest")
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 9))
+    assert [(a["step"], a["id"]) for a in read_alerts(run)] == [(3, 12)]
+
+
+def test_a_dead_kto_run_raises_alert_12(tiny_dir, tmp_path):
+    run = _offline(tiny_dir, tmp_path, "dead", dead_copy(tiny_dir, tmp_path / "dead_policy"), "kto")
+    assert [r["grad_norm"] for r in read_metrics(run)] == [0.0] * 6
+    assert [(a["step"], a["id"]) for a in read_alerts(run)] == [(3, 12)]
+
+
+def test_a_dead_grpo_run_raises_alert_12(tiny_dir, tmp_path):
+    """The online trainers' monitor runs rule 12 too: GRPO on the dead model, paid by length (groups differ)."""
+    (tmp_path / "length.py").write_text(
+        "def length(prompts, completions, **kw):\n    return [len(c) for c in completions]\n"
+    )
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{k}+1="} for k in range(16)])
+    config = load_config(
+        GRPOConfig,
+        None,
+        [
+            f"model.path={dead_copy(tiny_dir, tmp_path / 'dead_policy')}",
+            f"data.path={prompts}",
+            f"rewards=[{{function: '{tmp_path / 'length.py'}:length'}}]",
+            "data.chat_template=never",
+            f"run.output_dir={tmp_path / 'grpo'}",
+            "run.max_steps=4",
+            "run.batch_size=16",
+            "num_generations=4",
+            "sampling.max_new_tokens=6",
+            "run.progress=false",
+            "run.report_to=[jsonl]",
+        ],
+    )
+    train_grpo(config)
+    records = read_metrics(tmp_path / "grpo")
+    assert all(r["grad_norm"] == 0.0 and r["groups/zero_variance_share"] < 1 for r in records), records
+    assert [(a["step"], a["id"]) for a in read_alerts(tmp_path / "grpo")] == [(3, 12)]
+
+
+def test_corr_of_equals_pearson_of_the_pairs_and_is_nan_without_spread():
+    from posttrain.runtime.update import corr_of
+
+    x, y = [3.0, 5.0, 5.0, 9.0], [1.0, -2.0, 0.5, 4.0]
+    xy = sum(a * b for a, b in zip(x, y, strict=True))
+    sums = (sum(x), sum(y), sum(a * a for a in x), sum(b * b for b in y), xy, len(x))
+    assert corr_of(*sums) == pytest.approx(pearson(x, y), abs=1e-12)
+    assert math.isnan(corr_of(12.0, 1.5, 36.0, 1.25, 4.5, 4))  # every x = 3: undefined, not 0
+    assert math.isnan(corr_of(3.0, 1.0, 9.0, 1.0, 3.0, 1))
+
+
+def test_ppo_logs_the_batch_correlation_of_score_and_length(noisy_sft, tmp_path):
+    """Alert 15 reads ``score/length_corr``: Pearson's r of each response's score and length in its batch."""
+    from posttrain.models import load_tokenizer
+
+    length_bonus = "{function: 'posttrain.rewards.length:per_token_length', kwargs: {per_token: -0.3}}"
+    overrides = [f"model.path={noisy_sft['policy']}", f"data.path={noisy_sft['prompts']}", "data.chat_template=never"]
+    overrides += [f"run.output_dir={tmp_path / 'run'}", "run.progress=false", "run.report_to=[jsonl]"]
+    overrides += [f"rewards=[{{function: 'posttrain.rewards.builtin:exact_answer'}}, {length_bonus}]", "critic=policy"]
+    overrides += ["sampling.max_new_tokens=6", "run.batch_size=16", "run.max_steps=2", "log_completions=16"]
+    train_ppo(load_config(PPOConfig, None, overrides))
+    tokenizer = load_tokenizer(str(noisy_sft["policy"]))
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    for record in read_metrics(tmp_path / "run"):
+        batch = [s for s in samples if s["step"] == record["step"]]
+        lengths = [len(tokenizer(s["completion_text"], add_special_tokens=False).input_ids) for s in batch]
+        assert len(batch) == 16 and len(set(lengths)) > 1, lengths
+        assert record["score/length_corr"] == pytest.approx(pearson([s["score"] for s in batch], lengths), abs=1e-6)

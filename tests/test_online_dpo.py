@@ -147,8 +147,16 @@ def test_ties_give_no_pair_are_counted_and_train_nothing(noisy_sft, tmp_path, ca
 
 def test_online_dpo_raises_reward_on_digit_sums(noisy_sft, tmp_path):
     """The noisy SFT model samples 4 answers per sum, the exact-answer reward ranks them: the mean
-    reward of the sampled answers rises and the policy leaves its reference."""
-    config = _online_dpo(noisy_sft, tmp_path, "learn", "run.max_steps=40")
+    reward of the sampled answers rises and the policy leaves its reference.
+
+    80 steps at lr 3e-4, not 40 at 5e-4: the mean of 5 steps' rewards (320 answers) moves by ±0.04 from
+    noise alone, and 40 steps gained too little to clear that on every CPU (issue 34: 0.4875 → 0.5625,
+    +0.075, on an Intel Xeon with AMX). First 5 → last 5 steps' mean reward,
+    run.seed 0-4, on the 2-core Intel Xeon (AMX), 2026-12-03: 80 steps at 3e-4 +0.203, +0.175, +0.184,
+    +0.191, +0.119; before, 40 steps at 5e-4 (seeds 0-2) +0.075, +0.163, +0.094. Also measured (seeds
+    0-2): 80 steps at 5e-4 +0.166, +0.231, +0.106; at 2e-4 +0.175, +0.247, +0.116; 40 steps at 1e-3
+    +0.075, -0.019, +0.063 (a higher rate learns less)."""
+    config = _online_dpo(noisy_sft, tmp_path, "learn", "run.max_steps=80", "optim.lr=3e-4")
     train(config)
     records = read_metrics(config.run.output_dir)
     rewards = [r["reward/mean"] for r in records]

@@ -514,4 +514,4 @@ def test_kto_reports_the_weight_ratio_against_the_papers_advice(tiny_dir, tmp_pa
     assert main(["kto", *overrides, "desirable_weight=2.0"]) == 0
     out = capsys.readouterr().out
     assert "48 desirable, 48 undesirable examples" in out and "= 2, outside the paper's advised [1, 4/3]" in out
-    assert json.loads(out[out.index("{\n") :])["steps"] == 1
+    assert json.loads((tmp_path / "cli" / "summary.json").read_text())["steps"] == 1

@@ -52,6 +52,19 @@ def _by_hand(model_dir, config) -> tuple[dict, list[list[float]]]:
             if n[i] != n[j]:
                 by_length["longer" if n[i] > n[j] else "shorter"].append(s[i] > s[j])
     flat = [x for s in scores for x in s]
+    # the length probe: each ranking's best response with its content (the characters before <eos>) said twice
+    twice_once = []
+    with torch.no_grad():
+        for e in examples:
+            best = e.response_ids[0]
+            assert best[-1] == tokenizer.eos_token_id and tokenizer.eos_token_id not in best[:-1]
+            ids = [torch.tensor([e.prompt_ids + best[:-1] * 2 + best[-1:]]), torch.tensor([e.prompt_ids + best])]
+            twice_once.append([float(sequence_scores(model, x, torch.ones_like(x))) for x in ids] + [len(best) - 1])
+    expected_probe = {
+        "eval/length_probe/longer_preferred": sum(t > o for t, o, _ in twice_once) / len(twice_once),
+        "eval/length_probe/score_per_token": statistics.fmean((t - o) / n for t, o, n in twice_once),
+        "eval/length_probe/pairs": len(twice_once),
+    }
     expected = {
         "eval/loss": statistics.fmean(losses),
         "eval/accuracy": sum(d > 0 for d in diffs) / len(diffs),
@@ -69,7 +82,7 @@ def _by_hand(model_dir, config) -> tuple[dict, list[list[float]]]:
     for kind, correct in by_length.items():
         expected[f"eval/accuracy_better_{kind}"] = sum(correct) / len(correct)
         expected[f"eval/pairs_better_{kind}"] = len(correct)
-    return expected, scores
+    return expected | expected_probe, scores
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 16])
@@ -106,8 +119,8 @@ def test_posttrain_eval_of_a_reward_model_on_the_command_line(tiny_dir, tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "eval_summary.json").read_text())
     assert summary["eval/rankings"] == 5 and summary["eval/pairs"] == 11
-    assert json.loads(done.stdout[done.stdout.index("{") :]) == summary
-    assert "eval/accuracy_better_longer" in done.stdout.split("{")[0]  # the table
+    assert done.stdout.count("eval/accuracy_better_longer") == 1  # the table, once; the JSON in its file
+    assert f"(as JSON: {tmp_path / 'out' / 'eval_summary.json'})" in done.stdout
     refused = subprocess.run(command + ["--temperature", "1", "--n", "4"], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2
     assert "is a reward model, evaluated on the ranked pairs of --data without generating: --temperature, --n" in (
@@ -127,9 +140,11 @@ def test_reward_model_eval_reads_raw_scores_and_reports_what_the_data_limits_did
     config_json["reward_normalization"] = {"mean": 0.5, "std": 0.05, "samples": 64}
     config_file.write_text(json.dumps(config_json))
     data = DataConfig(path=str(rankings), chat_template="never")
-    raw = rm.evaluate(rm.RMEvalConfig(model=ModelConfig(path=str(tiny_dir / "reward")), data=data))
-    lines = []
-    got = rm.evaluate(rm.RMEvalConfig(model=ModelConfig(path=str(normalized)), data=data), log=lines.append)
+    raw = rm.evaluate(rm.RMEvalConfig(model=ModelConfig(path=str(tiny_dir / "reward")), data=data, length_probe=0))
+    lines = []  # without the length probe, whose warning on this random model would join them
+    got = rm.evaluate(
+        rm.RMEvalConfig(model=ModelConfig(path=str(normalized)), data=data, length_probe=0), log=lines.append
+    )
     for key, value in raw.items():
         assert got[key] == pytest.approx(value, abs=1e-6), key
     assert got["eval/normalized_score_mean"] == pytest.approx((raw["eval/score_mean"] - 0.5) / 0.05, abs=1e-4)
@@ -213,3 +228,96 @@ def test_posttrain_eval_names_a_wrong_path_first(tiny_dir, tmp_path, rankings):
     ):
         done = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# the length probe (issue 34, 2b): the same answer said once and twice
+# --------------------------------------------------------------------------------------------------
+
+
+def _paying_for_length(tiny_dir, out, sign: float):
+    """The tiny reward model rewired by hand so that its score is a strictly monotone function of the number of
+    tokens n it reads: every attention score 0 (uniform attention), a value only at <bos>, so the last token
+    holds <bos>'s value / n; the score reads it with ``sign`` − 1 pays for length (longer: higher), + 1 for
+    brevity. Scores of 3 and 43 tokens: −10.9 and −2.8, far apart on any CPU."""
+    model = load_reward_model(ModelConfig(path=str(tiny_dir / "reward")))
+    tokenizer = load_tokenizer(str(tiny_dir / "reward"))
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens.weight
+        embeddings[:, 0], embeddings[:, 1] = 0.0, 1.0
+        embeddings[tokenizer.bos_token_id] = 0.0
+        embeddings[tokenizer.bos_token_id, 0] = 1.0
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            for linear in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, layer.mlp.down_proj):
+                linear.weight.zero_()
+        model.model.layers[0].self_attn.v_proj.weight[0, 0] = 1.0
+        model.model.layers[0].self_attn.o_proj.weight[0, 0] = 1.0
+        model.score.weight.zero_()
+        model.score.weight[0, 0] = sign
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_reward_model_eval_probes_length_with_the_same_answer_said_twice(tiny_dir, tmp_path, rankings):
+    data = DataConfig(path=str(rankings), chat_template="never")
+    warnings = {}
+    for sign, share in ((-1.0, 1.0), (1.0, 0.0)):
+        path = _paying_for_length(tiny_dir, tmp_path / str(sign), sign)
+        lines = []
+        metrics = rm.evaluate(rm.RMEvalConfig(model=ModelConfig(path=str(path)), data=data), log=lines.append)
+        assert metrics["eval/length_probe/pairs"] == 5 and metrics["eval/length_probe/longer_preferred"] == share
+        assert (metrics["eval/length_probe/score_per_token"] > 0) == (sign < 0)
+        warnings[sign] = [line for line in lines if "warning" in line]
+    assert warnings[1.0] == [] and len(warnings[-1.0]) == 1
+    assert warnings[-1.0][0].startswith(
+        "[eval] warning (alert 16): the reward model pays for length: the same answer said twice scored above it "
+        "said once in 100% of 5 pairs (+"
+    )
+    expected, _ = _by_hand(path, rm.RMEvalConfig(model=ModelConfig(path=str(path)), data=data))
+    assert metrics["eval/length_probe/score_per_token"] == pytest.approx(expected["eval/length_probe/score_per_token"])
+    off = rm.evaluate(rm.RMEvalConfig(model=ModelConfig(path=str(path)), data=data, length_probe=0))
+    assert not any("length_probe" in k for k in off)
+
+
+def test_the_length_probe_leaves_out_answers_said_twice_that_pass_the_models_context(tiny_dir, tmp_path, rankings):
+    """With data.max_length null, the answer said twice could pass the model's positions; such pairs are left out.
+    Prompt + response said twice, in tokens: 17, 13, 19, 5, 13; a context of 16 keeps three (every row fits once)."""
+    short = tmp_path / "short"
+    model = load_reward_model(ModelConfig(path=str(tiny_dir / "reward"), device="cpu"))
+    model.config.max_position_embeddings = 16
+    model.save_pretrained(short)
+    load_tokenizer(str(tiny_dir / "reward")).save_pretrained(short)
+    data = DataConfig(path=str(rankings), chat_template="never")
+    metrics = rm.evaluate(rm.RMEvalConfig(model=ModelConfig(path=str(short)), data=data), log=lambda _: None)
+    assert metrics["eval/rankings"] == 5 and metrics["eval/length_probe/pairs"] == 3
+
+
+def test_posttrain_rm_ends_with_a_length_probe_that_warns_when_the_model_pays_for_length(
+    tiny_dir, tmp_path, rankings, capsys
+):
+    """Issue 34, 2b: a reward model whose score rose with length let PPO run to the length limit, and nothing at the
+    end of `posttrain rm` said so. Now a length probe ends it: one line, a warning when the model prefers the
+    same answer said twice, in the final metrics and as alert 16 in alerts.jsonl (which the report shows)."""
+    from posttrain.monitor.alerts import read_alerts
+
+    for sign in (-1.0, 1.0):
+        config = rm.RMConfig(
+            model=ModelConfig(path=str(_paying_for_length(tiny_dir, tmp_path / f"model{sign}", sign))),
+            data=DataConfig(path=str(rankings), chat_template="never", eval_fraction=0.4),
+        )
+        config.optim.lr = 1e-9  # one step that leaves the hand-built preference as it is
+        config.run.output_dir, config.run.max_steps, config.run.batch_size = str(tmp_path / f"run{sign}"), 1, 2
+        config.run.progress, config.run.report_to = False, ["jsonl"]
+        result = rm.train(config)
+        out = capsys.readouterr().out
+        probe = {k: v for k, v in result["final_metrics"].items() if k.startswith("length_probe/")}
+        assert probe["length_probe/pairs"] == 2 and probe["length_probe/longer_preferred"] == (sign < 0), probe
+        alerts = [a for a in read_alerts(config.run.output_dir) if a["id"] == 16]
+        if sign < 0:
+            assert "[rm] warning (held-out answers, alert 16): the reward model pays for length" in out, out
+            assert len(alerts) == 1 and "in 100% of 2 pairs" in alerts[0]["seen"] and alerts[0]["step"] == 1
+        else:
+            assert "[rm] length probe (held-out answers): the same answer said twice scored above it" in out, out
+            assert "in 0% of 2 pairs" in out and alerts == []

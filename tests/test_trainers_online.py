@@ -205,6 +205,11 @@ def even_first_digit(prompts, completions, answer, **columns):
 
 def half_applicable(prompts, completions, answer, **columns):
     return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+
+def quarter_unscored(prompts, completions, **columns):
+    """By position alone, whatever was sampled: 0, 1, 0, None, 0, 1, 0, None, ..."""
+    return [None if i % 4 == 3 else float(i % 4 == 1) for i in range(len(completions))]
 '''
 
 
@@ -249,6 +254,57 @@ def test_none_rewards_are_excluded_not_zero(tmp_path):
     assert filled.tolist() == [1.0, 1.0, 0.0, 0.0] and applicable.tolist() == [True, False, True, True]
     with pytest.raises(RewardError, match="returned NaN"):
         RewardComposer([("bad", lambda p, c, **k: [float("nan")] * len(c), 1.0)])(["x"], ["y"], {})
+
+
+def test_reward_std_is_over_the_scored_rows_only(noisy_sft, tmp_path):
+    """Unscored rows hold their group's mean as a filler (``_scores_with_missing``); ``reward/std`` must not count
+    them. 8 rows scored 0, 1, 0, None, 0, 1, 0, None: the 6 scored are four 0s and two 1s, mean 1/3, unbiased
+    std sqrt((2 − 2²/6) / 5) = sqrt(4/15) = 0.5164 (the 8 rows with the fillers 1/3 would give 0.4364)."""
+    (tmp_path / "my_rewards.py").write_text(REWARD_FILE)
+    config = _grpo(
+        noisy_sft,
+        tmp_path,
+        "std",
+        "run.max_steps=1",
+        "num_generations=4",
+        "run.batch_size=8",
+        "eval.at_start=false",
+        f"rewards=[{{function: '{tmp_path / 'my_rewards.py'}:quarter_unscored'}}]",
+    )
+    train_grpo(config)
+    (record,) = read_metrics(config.run.output_dir)
+    assert record["reward/applicable_share"] == 0.75
+    assert record["reward/mean"] == pytest.approx(1 / 3)
+    assert record["reward/std"] == pytest.approx(math.sqrt(4 / 15), rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token", "token_mask"])
+def test_gspo_with_token_importance_weights_is_refused_at_start(noisy_sft, tmp_path, mode):
+    """GSPO's one ratio per response passes the response's gradient to each of its tokens: a token that IcePop
+    drops (weight 0) would still train, and token TIS weights would be averaged over the response. Refused at
+    start naming both fields and the alternatives; GSPO-token, which gives each token its own gradient, keeps
+    the dropped token's at exactly 0."""
+    async_run = ["rollout.async_steps=1", "eval.at_start=false"]
+    with pytest.raises(ValueError, match=rf"^policy_loss=gspo with rollout.importance_sampling={mode}: .*gspo-token"):
+        _grpo(noisy_sft, tmp_path, "gspo", *async_run, "policy_loss=gspo", f"rollout.importance_sampling={mode}")
+    with pytest.raises(ValueError, match=r"\(preset=gspo sets it\)"):
+        _grpo(noisy_sft, tmp_path, "gspo", *async_run, "preset=gspo", f"rollout.importance_sampling={mode}")
+    _grpo(noisy_sft, tmp_path, "gspo", *async_run, "policy_loss=gspo-token", f"rollout.importance_sampling={mode}")
+    _grpo(noisy_sft, tmp_path, "gspo", *async_run, "policy_loss=gspo", "rollout.importance_sampling=sequence_mask")
+    # the alternative named: token 1's ratio π_old/μ = e^2 is outside IcePop's band [0.5, 2], so it is dropped
+    from posttrain.core import POLICY_LOSSES, masked_importance_weights
+
+    old, behaviour, mask = torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-1.0, -3.0, -1.0]]), torch.ones(1, 3)
+    weights, keep = masked_importance_weights(old, behaviour, mask, "token", 0.5, 2.0)
+    assert keep.tolist() == [[True, False, True]]
+    gradients = {}
+    for name in ("gspo", "gspo-token"):
+        logprobs = old.clone().requires_grad_(True)
+        pg, _ = POLICY_LOSSES[name](logprobs, old, torch.ones(1, 3) * weights, mask, clip_low=0.2, clip_high=0.2)
+        aggregate_loss(pg, mask, "seq-mean-token-mean").backward()
+        gradients[name] = logprobs.grad[0].tolist()
+    assert gradients["gspo-token"][1] == 0.0  # the dropped token does not train
+    assert gradients["gspo"][1] != 0.0  # why gspo is refused: −(1/3)·(2/3) on every token, the dropped one too
 
 
 def test_grpo_resume_reproduces_the_uninterrupted_run(noisy_sft, tmp_path):

@@ -463,3 +463,48 @@ def test_online_dpo_samples_with_vllm_and_a_judge_gives_vllm_verdicts(tiny_dir, 
     texts = render("Grade {prompt}{completion}:", ["1+2=", "30+4=", "5+5="], ["3", "34", "11"], {})
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
     assert judge.verdicts(texts, greedy, 3, "vllm") == judge.verdicts(texts, greedy, 3, "hf")
+
+
+def test_a_colocated_sync_that_loads_nothing_stops_naming_the_engine(engine, tiny_dir, monkeypatch):
+    """Issue 34 item 5: the sync is broken on purpose (vLLM's reload skipped); the probe's log-probs say so."""
+    from posttrain.rollout.sync import WeightSyncError
+
+    monkeypatch.setattr(engine, "check_sync", True)
+    monkeypatch.setattr(engine, "sync_tolerance", 1e-3)  # float32 on CPU: a healthy sync agrees to ~1e-6
+    policy = _perturbed_policy(tiny_dir)
+    engine.sync_weights(policy)  # healthy: passes
+    base = load_policy(ModelConfig(path=str(tiny_dir / "policy"), device="cpu"))
+    real_rpc = engine.llm.collective_rpc
+    monkeypatch.setattr(
+        engine.llm,
+        "collective_rpc",
+        lambda method, *a, **k: None if method == "reload_weights" else real_rpc(method, *a, **k),
+    )
+    with pytest.raises(
+        WeightSyncError, match="the colocated vLLM engine does not hold the trainer's weights"
+    ) as caught:
+        engine.sync_weights(base)
+    assert "\n" not in str(caught.value)
+    monkeypatch.undo()
+    engine.sync_weights(base)  # the checkpoint's weights back for the tests after this one
+
+
+def test_a_colocated_reload_that_hangs_stops_at_sync_timeout(engine, tiny_dir, monkeypatch):
+    from posttrain.rollout.sync import WeightSyncError
+
+    policy = load_policy(ModelConfig(path=str(tiny_dir / "policy"), device="cpu"))
+    real_rpc = engine.llm.collective_rpc
+
+    def hangs(method, *args, **kwargs):
+        if method == "reload_weights":
+            time.sleep(3)
+            return None
+        return real_rpc(method, *args, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", hangs)
+    monkeypatch.setattr(engine, "sync_timeout", 0.5)
+    start = time.perf_counter()
+    with pytest.raises(WeightSyncError, match=r"weight reload did not finish within rollout.sync_timeout=0.5s"):
+        engine.sync_weights(policy)
+    assert time.perf_counter() - start < 3
+    time.sleep(3)  # the abandoned reload ends before the engine serves the next test

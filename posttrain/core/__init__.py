@@ -17,7 +17,13 @@ mask is 0 may hold anything, NaN and inf included: every function here selects w
 
 from posttrain.core.advantages import gae, group_advantages, rloo_advantages, shape_rewards
 from posttrain.core.distill import generalized_jsd, reverse_kl_advantages, vocab_kl
-from posttrain.core.importance import IMPORTANCE_LEVELS, masked_importance_weights, truncated_importance_weights
+from posttrain.core.importance import (
+    IMPORTANCE_LEVELS,
+    masked_importance_weights,
+    truncate_logits,
+    truncated_importance_weights,
+    truncated_logprobs,
+)
 from posttrain.core.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_penalty
 from posttrain.core.logprobs import entropy_from_logits, token_logprobs, yes_probability
 from posttrain.core.losses import (
@@ -107,7 +113,9 @@ __all__ = [
     "simpo_loss",
     "shared_prefix_token_logprobs",
     "token_logprobs",
+    "truncate_logits",
     "truncated_importance_weights",
+    "truncated_logprobs",
     "value_loss",
     "vocab_kl",
     "yes_probability",

@@ -81,3 +81,53 @@ def masked_importance_weights(
     # exp only inside the band, where it is at most `high`: a long row's summed log-ratio cannot overflow
     weights = torch.where(keep, torch.exp(torch.where(keep, log_ratio, 0.0)), 0.0)
     return torch.where(mask, weights, 1.0), keep
+
+
+def truncate_logits(scaled: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """The sampler's truncation of temperature-scaled logits [..., V]: removed tokens get −inf.
+
+    In vLLM's order (min-p, then top-k, then top-p; with min_p = 0 it is transformers' top-k then top-p):
+        min-p  keeps v with p_v ≥ min_p · max_u p_u                    (p = softmax(scaled))
+        top-k  keeps v with z_v ≥ the k-th largest z (ties kept)       (k = 0: off)
+        top-p  keeps the most likely tokens, in order, until the kept mass reaches top_p: v is removed when
+               the mass of the tokens less likely than or as likely as v, v included, is ≤ 1 − top_p
+               (at least one token always stays; Holtzman et al. 2020, "The curious case of neural text
+               degeneration"), measured on the distribution renormalised over what top-k kept.
+    """
+    if min_p > 0:
+        log_p = torch.log_softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(log_p < log_p.amax(dim=-1, keepdim=True) + math.log(min_p), -torch.inf)
+    if top_k and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, -torch.inf)
+    if top_p < 1.0:
+        ascending, order = torch.sort(scaled, dim=-1)
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        remove[..., -1] = False
+        scaled = scaled.masked_fill(remove.scatter(-1, order, remove), -torch.inf)
+    return scaled
+
+
+def truncated_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> torch.Tensor:
+    """log μ(y) of the distribution a sampler with top-k / top-p / min-p draws from, renormalised over the
+    tokens it keeps (K, ``truncate_logits``):
+
+        μ(y) = softmax(z/τ)_y / Σ_{v ∈ K} softmax(z/τ)_v  for y ∈ K, 0 otherwise
+        log μ(y) = z_y/τ − logsumexp_{v ∈ K}(z_v/τ)
+
+    The importance weight of a token against the sampled distribution is then π(y)/μ(y) = Σ_{v∈K} π(v) at
+    equal weights: the mass the truncation kept (TRL's correction with vLLM's processed log-probs).
+
+    logits: [..., V] raw logits; tokens: [...] integer ids. Returns [...] float32 (−inf for a token outside K).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    kept = truncate_logits(logits.float() / temperature, top_k, top_p, min_p)
+    return torch.log_softmax(kept, dim=-1).gather(-1, tokens[..., None])[..., 0]

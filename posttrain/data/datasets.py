@@ -30,10 +30,12 @@ from posttrain.data.rows import (
     with_first_kinds,
 )
 from posttrain.errors import UserError
+from posttrain.sections import remembers_given
 
 MALFORMED_POLICIES = ("error", "skip")
 
 
+@remembers_given  # a trainer's data defaults hold for DataConfig(...) built in Python (posttrain.sections)
 @dataclass
 class DataConfig:
     """Where a dataset comes from and how its rows become tokens."""

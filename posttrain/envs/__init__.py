@@ -9,14 +9,13 @@ from posttrain.envs.base import (
     Environment,
     EpisodeState,
     StepResult,
-    build_environment,
     data_specs,
-    environment_for,
     episode_reward,
     prompt_messages,
     with_environment_reward,
 )
 from posttrain.envs.episodes import followup_ids, run_episodes
+from posttrain.envs.registry import build_environment, environment_for
 
 __all__ = [
     "ENDS",

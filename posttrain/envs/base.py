@@ -15,6 +15,8 @@ from typing import Any, Protocol
 ENVIRONMENTS = ("none", "calculator", "python", "tools")
 ON_TOOL_ERROR = ("observe", "stop")
 TURN_REWARDS = ("sum", "discount")
+MAX_OUTPUT = 2000
+"""Characters of a tool's answer given back to the model (``env.kwargs.max_output``); the rest is cut, saying so."""
 UNSCORED = ("calculator", "python", "tools")
 """The shipped environments: they give no reward of their own, the run's reward functions score the answer."""
 ENDS = ("model", "max_turns", "max_tokens", "tool_error")
@@ -41,7 +43,8 @@ class EnvConfig:
     """env.name=tools: the functions, ``module:function`` or ``path/file.py:function``, with type hints and a
     docstring (transformers' get_json_schema turns them into the template's tool descriptions)."""
     tool_timeout: float = 10.0
-    """Seconds one tool call (or one python program) may run before it is stopped."""
+    """Seconds one environment step may take: a turn's tool calls together (calls left when it is up are
+    answered as errors), its python program, or its calculations."""
     tool_isolation: str = "process"
     """env.name=tools: process (each call in a forked worker, killed on timeout) or inline (a thread of this
     process: a hung call is abandoned, not killed)."""
@@ -148,49 +151,26 @@ def episode_reward(rewards: list[float | None], how: str, gamma: float) -> float
     return float(sum(r * (gamma**k if how == "discount" else 1.0) for k, r in scored))
 
 
-def build_environment(config: EnvConfig) -> Environment:
-    """The environment ``config.name`` names, built with ``config.kwargs``."""
-    if config.name == "calculator":
-        from posttrain.envs.calculator import CalculatorEnv
-
-        return CalculatorEnv(config, **config.kwargs)
-    if config.name == "python":
-        from posttrain.envs.python import PythonEnv
-
-        return PythonEnv(config, **config.kwargs)
-    if config.name == "tools":
-        from posttrain.envs.tools import FunctionToolsEnv
-
-        return FunctionToolsEnv(config, **config.kwargs)
-    from posttrain.rewards.base import load_reward_function  # module:Name or path/file.py:Name, as rewards
-
-    try:
-        cls = load_reward_function(config.name, kind="class", label="environment")
-    except (ImportError, ValueError, FileNotFoundError) as error:
-        raise ValueError(f"env.name={config.name!r}: {error}") from error
-    try:
-        env = cls(config, **config.kwargs)
-    except TypeError as error:
-        raise ValueError(
-            f"env.name={config.name}: {cls.__name__}(config, **env.kwargs) failed ({error}); an environment's "
-            "constructor takes the run's EnvConfig, then env.kwargs as keywords"
-        ) from error
-    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
-    if missing or not hasattr(env, "tools"):
-        what = ", ".join([f"a {m} method" for m in missing] + ([] if hasattr(env, "tools") else ["a tools attribute"]))
-        raise ValueError(f"env.name={config.name}: {cls.__name__} lacks {what} (docs/algorithms/multi_turn.md)")
-    return env
+def tagged(text: str, opening: str, closing: str) -> list[str]:
+    """The texts between each ``opening`` and the first ``closing`` after it, in order, as a non-greedy regular
+    expression finds them, in linear time: a lazy pattern rescans the rest of the turn from every unclosed
+    opening (2,000 ``<tool_call>`` without a close took seconds, holding the interpreter's lock)."""
+    found, at = [], 0
+    while (start := text.find(opening, at)) >= 0:
+        end = text.find(closing, start + len(opening))
+        if end < 0:
+            break
+        found.append(text[start + len(opening) : end])
+        at = end + len(closing)
+    return found
 
 
-def environment_for(config: EnvConfig | None, tokenizer) -> Environment | None:
-    """The environment ``config`` names, told the run's tokenizer (a tools environment checks whether the chat
-    template renders ``tools=``); None for none."""
-    if config is None or not config.enabled:
-        return None
-    env = build_environment(config)
-    if hasattr(env, "use_tokenizer"):
-        env.use_tokenizer(tokenizer)
-    return env
+def cut(text: str, limit: int) -> str:
+    """``text`` whole when it has at most ``limit`` characters, else its first ``limit`` and a line saying how many
+    were cut: what a tool answers goes into the model's context and the run's samples."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}\n[... {len(text) - limit} characters cut]"
 
 
 ENVIRONMENT_REWARD = "posttrain.rewards.builtin:environment_reward"

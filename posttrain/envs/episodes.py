@@ -12,19 +12,25 @@ text, and the training forward would score tokens the policy never sampled); onl
 is tokenized, from the template's rendering of the messages it adds. All episodes of a batch that are
 still running are sampled together, one engine call per turn, whatever turn each is at; the environment
 then answers them one after another, or as many at a time as its ``concurrent_steps`` says it may (the
-python environment: each program is its own sandboxed process).
+python environment: each program is its own sandboxed process; function tools: each call its own worker),
+in threads, the answers kept in the episodes' order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from posttrain.envs.base import EnvConfig, Environment, EpisodeState, StepResult, env_columns
+from posttrain.errors import UserError
 from posttrain.rollout.base import Rollout, RolloutEngine, SamplingParams, left_pad
 
 MARK = "\x00posttrain-turn\x00"  # a stand-in turn, found again in the rendering to cut the template there
@@ -34,7 +40,7 @@ def first_messages(env: Environment, row: dict) -> list[dict]:
     """``env.reset(row)``, checked: a list of chat messages ({"role": ..., "content": ...})."""
     messages = env.reset(row)
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise ValueError(
+        raise UserError(
             f"env: {type(env).__name__}.reset must return a list of chat messages "
             f'[{{"role": "user", "content": ...}}, ...], got {messages!r:.200}'
         )
@@ -175,11 +181,49 @@ def _model_turn(episode: _Episode, ids, logprobs, cut: bool, config: EnvConfig, 
 
 
 def _step(env: Environment, state: EpisodeState, turn: str) -> StepResult:
-    """``env.step``, timed into the episode's ``env_seconds``."""
+    """``env.step``, timed into the episode's ``env_seconds`` and checked (``checked_step``). An environment
+    of your own that raises stops the run in one line naming it, where it raised and the turn; a shipped
+    one never raises on model text, so an exception from it is a bug and keeps its traceback."""
     start = time.perf_counter()
-    result = env.step(state, turn)
-    state.env_seconds += time.perf_counter() - start
-    return result
+    try:
+        result = env.step(state, turn)
+    except Exception as error:
+        if type(env).__module__.startswith("posttrain."):
+            raise
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        why = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        raise UserError(
+            f"env: {type(env).__name__}.step raised {why} ({Path(frame.filename).name}:{frame.lineno}) "
+            f"on the model's turn {turn!r:.100}"
+        ) from error
+    finally:
+        state.env_seconds += time.perf_counter() - start
+    return checked_step(env, result, turn)
+
+
+def checked_step(env: Environment, result, turn: str) -> StepResult:
+    """``result`` of ``env.step(state, turn)`` when it is a ``StepResult`` the runner can use; else a one-line
+    ``UserError`` naming the environment's class, what it returned and what is expected."""
+    if not isinstance(result, StepResult):
+        what = "None" if result is None else f"a {type(result).__name__}"
+        problem = f"returned {what}; it must return a StepResult (posttrain.envs.StepResult)"
+    elif result.reward is not None and not (
+        isinstance(result.reward, numbers.Real) and not isinstance(result.reward, bool) and math.isfinite(result.reward)
+    ):
+        problem = f"returned reward={result.reward!r:.60}; a reward is a number or None (the turn is not scored)"
+    elif not isinstance(result.messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in result.messages
+    ):
+        problem = (
+            f"returned messages={result.messages!r:.100}; messages are a list of chat messages "
+            '[{"role": "tool", "content": ...}]'
+        )
+    elif not all(type(n) is int and n >= 0 for n in (result.tool_calls, result.tool_errors)):
+        counts = f"tool_calls={result.tool_calls!r:.20}, tool_errors={result.tool_errors!r:.20}"
+        problem = f"returned {counts}; both are counts (int >= 0)"
+    else:
+        return result
+    raise UserError(f"env: {type(env).__name__}.step {problem} (on the model's turn {turn!r:.100})")
 
 
 def _answer(episode: _Episode, result: StepResult, env, config: EnvConfig, tokenizer, special) -> None:

@@ -17,7 +17,7 @@ SYSTEM = "You can run Python: write a ```python block and read its output; then 
 class PythonEnv:
     """``env.name=python``. kwargs: ``system`` (the first turn's system message; ``SYSTEM`` by default, None
     for none), ``memory_mb`` (the program's memory limit, 512), ``max_output`` (characters of output given
-    back to the model, the last ones, 1000)."""
+    back to the model, the last ones, 1000, after a line saying how much the program wrote when more)."""
 
     tools = None
     concurrent_steps = 4  # the episodes of a turn run their programs in parallel, each in its own sandbox
@@ -46,5 +46,10 @@ class PythonEnv:
             output += f"\nerror: the program did not finish within {self.config.tool_timeout:g} s"
         elif failed and not result.stderr:
             output += f"\nerror: {result.reason}"
-        output = output.strip()[-self.max_output :] or "(no output)"
+        output = output.strip()
+        kept = len((result.stdout + result.stderr).encode())  # the sandbox keeps the tails of both streams
+        if len(output) > self.max_output or result.output_bytes > kept:
+            marker = f"[... earlier output cut: the program wrote {result.output_bytes} bytes]"
+            output = f"{marker}\n{output[-self.max_output :]}"
+        output = output or "(no output)"
         return StepResult(messages=[{"role": "tool", "content": output}], tool_calls=1, tool_errors=int(failed))

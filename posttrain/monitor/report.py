@@ -297,6 +297,17 @@ def _completion(sample: dict) -> str:
     return f"<pre>{chr(10).join(turns)}</pre><small>end: {html.escape(str(sample.get('end', '')))}</small>"
 
 
+def _no_samples(run: Run) -> str:
+    """What stands where a run's samples would: an offline run (SFT, DPO, KTO, a reward model: its config has
+    no ``sampling``) trains on its data set's rows and generates nothing."""
+    if run.config and "sampling" not in run.config:
+        return (
+            "<p>None to show: this run trains on the rows of its data set and generates nothing (SFT, DPO, KTO "
+            "and reward models do); its losses, accuracies and held-out metrics are in the plots above.</p>"
+        )
+    return "<p>No samples were logged (log_completions: 0, or the run ended before its first step).</p>"
+
+
 def _sample_table(samples: list[dict], per_step: int = 4, steps: int = 4) -> str:
     if not samples:
         return "<p>No samples were logged.</p>"
@@ -377,7 +388,7 @@ def build_report(run_dirs: list[str | Path]) -> str:
     sections += [f'<div class="grid">{plots}</div>', "<h2>Alerts</h2>", _alert_table(runs)]
     for run in runs:
         sections.append(f"<h2>Samples: {html.escape(run.name)}</h2>")
-        sections.append(_sample_table(run.samples))
+        sections.append(_sample_table(run.samples) if run.samples else _no_samples(run))
         if run.eval_samples:
             sections.append(f"<h3>Held-out samples: {html.escape(run.name)}</h3>")
             sections.append(_sample_table(run.eval_samples, per_step=4, steps=3))
@@ -388,10 +399,19 @@ def build_report(run_dirs: list[str | Path]) -> str:
 
 
 def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
-    """Write the report of ``run_dirs`` to ``out`` (default: RUN_DIR/report.html for one run, else
-    ./report.html); returns its path."""
-    out = Path(out) if out else (Path(run_dirs[0]) / "report.html" if len(run_dirs) == 1 else Path("report.html"))
+    """Write the report of ``run_dirs`` to ``out`` (default: report.html in the run folder, or in the folder
+    holding all the runs, runs/demo for runs/demo/sft and runs/demo/grpo; else ./report.html); returns its
+    absolute path."""
+    out = Path(out) if out else default_report_path(run_dirs)
     html = build_report(run_dirs)  # first: a wrong run folder is said before anything is created
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(html, encoding="utf-8")
-    return out
+    return out.resolve()
+
+
+def default_report_path(run_dirs: list[str | Path]) -> Path:
+    """report.html in the one run's folder, or in the parent folder all the runs share, else in ./."""
+    if len(run_dirs) == 1:
+        return Path(run_dirs[0]) / "report.html"
+    parents = {Path(p).resolve().parent for p in run_dirs}
+    return parents.pop() / "report.html" if len(parents) == 1 else Path("report.html")

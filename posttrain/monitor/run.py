@@ -1,4 +1,5 @@
-"""What PPO and GRPO call once per step: held-out evaluation when due, then the health alerts."""
+"""What the online trainers call once per step (``RunMonitor``: held-out evaluation when due, then the
+health alerts), and the offline trainers' health alerts (``offline_alerts``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import time
 from pathlib import Path
 
 from posttrain.data import PromptExample
-from posttrain.monitor.alerts import HealthMonitor, read_alerts
+from posttrain.monitor.alerts import DEAD_RUN_RULES, RULES, AlertConfig, HealthMonitor, Rule, read_alerts
 from posttrain.monitor.evaluate import EvaluationError, Evaluator
 from posttrain.monitor.records import read_records
 
@@ -37,6 +38,7 @@ class RunMonitor:
                 reward_std,
                 forced_length=sampling.min_new_tokens >= sampling.max_new_tokens,
                 echo=tqdm.write,  # above the progress bar, not through it
+                rules=(*RULES, *DEAD_RUN_RULES),
             )
 
     def resume(self, output_dir) -> None:
@@ -93,3 +95,27 @@ class RunMonitor:
             self.health.check(step, {**metrics, **out})
             out["alerts"] = self.health.raised
         return out
+
+
+def offline_alerts(accelerator, output_dir, rules: tuple[Rule, ...] = DEAD_RUN_RULES, context: dict | None = None):
+    """The callbacks (``run_offline``'s) raising ``rules`` over an offline run's records (SFT, RM, the DPO
+    family, KTO) after every step, on the main process: printed above the progress bar and written to
+    ``alerts.jsonl``; the run goes on. ``context``: what the rules read beside the records (SFT: log_vocab).
+    A resumed run's history is rebuilt at its first step, as ``RunMonitor.resume`` does: by then the records
+    are cut back to the checkpoint's step, and an alert active there is not raised again."""
+    if not accelerator.is_main_process:
+        return []
+    from tqdm.auto import tqdm
+
+    monitor = HealthMonitor(AlertConfig(), output_dir, "loss", "loss", echo=tqdm.write, rules=rules, context=context)
+    started: list[int] = []
+
+    def check(step: int, metrics: dict) -> list[dict]:
+        if not started:  # the records before this step: none in a new run, a resumed run's up to its checkpoint
+            started.append(step)
+            path = Path(output_dir) / "metrics.jsonl"
+            records = [r for r in (read_records(path) if path.is_file() else []) if r.get("step", step) < step]
+            monitor.restore(records, len(read_alerts(output_dir)))
+        return monitor.check(step, metrics)
+
+    return [check]

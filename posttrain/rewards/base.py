@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from posttrain.errors import UserError
 from posttrain.rewards import sandbox
 
 RewardFunction = Callable[..., list]
@@ -69,13 +70,22 @@ MODEL_FUNCTIONS = (
     "posttrain.rewards.judge:judge_score",
     "posttrain.rewards.judge:judge_yes_probability",
 )
-_MIN_SAMPLES_FOR_ABORT = 20  # a failure rate is not judged on fewer samples
+# max_failure_rate is judged on at least this many samples: before 20 are scored, the run stops once the
+# failures exceed the share of 20 (0.1: a third failure), so 14 failures in 16 samples stop it and one in 8 does not
+_MIN_SAMPLES_FOR_ABORT = 20
 TOKEN_COLUMNS = ("prompt_ids", "completion_ids")  # handed only to functions that name them
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class RewardError(RuntimeError):
-    """A reward function failed in a way the run must not continue past."""
+    """A reward function failed in a way the run must not continue past. Raised as such when the function
+    itself raised: a bug in its code, whose traceback the message carries."""
+
+
+class RewardValueError(RewardError, UserError):
+    """A reward function (or the environment, through ``environment_reward``) returned what is no reward: not
+    a list of one value per completion, a value that is not a real number, NaN, inf, or a weighted sum beyond
+    float32; or it failed or scored nothing too often. One line naming the function: the CLI prints it so."""
 
 
 @dataclass
@@ -83,7 +93,8 @@ class RewardSpec:
     """One reward function of a weighted sum."""
 
     function: str = ""
-    """``module:function`` or ``path/to/file.py:function``."""
+    """``module:function`` or ``path/to/file.py:function``; from Python also the function itself, recorded by
+    the name that imports it (``__main__:correct_sum`` for one defined in the script)."""
     weight: float = 1.0
     """Weight in the sum of rewards."""
     kwargs: dict = field(default_factory=dict)
@@ -94,7 +105,8 @@ class RewardSpec:
     """A call that raises: raise (stop, showing the traceback and the offending prompt and completion)
     or skip (that sample gets None and is counted)."""
     max_failure_rate: float = 0.1
-    """Stop the run when more than this share of the samples scored so far failed or timed out."""
+    """Stop the run when more than this share of the samples scored so far failed or timed out; before 20
+    samples, more than this share of 20 (0.1: a third failure stops it)."""
     isolation: str | None = None
     """process: each call runs in a forked worker that is killed on timeout (torch in it runs on one
     thread); inline: in a thread of this process (a hung call is abandoned, not killed). null: inline for
@@ -103,6 +115,10 @@ class RewardSpec:
     retry_after_timeout: bool = False
     """After a batch call times out, score its samples one by one, all within one more ``timeout``, to
     keep the samples that do not hang (process isolation only). Off: every sample of the call gets None."""
+
+    def __post_init__(self) -> None:
+        if callable(self.function):  # the function itself, as TRL takes it: config.yaml records its name
+            self.function = function_name(self.function)
 
     def validate(self, name: str = "rewards[]") -> None:
         if ":" not in self.function:
@@ -151,6 +167,23 @@ class RewardSpec:
     @property
     def name(self) -> str:
         return self.function.rsplit(":", 1)[1]
+
+
+def function_name(fn: Callable) -> str:
+    """``module:function`` that imports ``fn`` again: what config.yaml records, and what a resumed run and
+    every process load. ValueError for a function no name imports (a lambda, a nested function, a partial)."""
+    spec = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+    try:
+        same = load_reward_function(spec) is fn
+    except (ImportError, ValueError):
+        same = False
+    if not same:
+        raise ValueError(
+            f"rewards: {fn!r} cannot be imported by its name {spec!r}, which the run records in config.yaml and "
+            "loads again on resume: define it with def at the top level of a module or of the script, or pass "
+            "'module:function' / 'path/file.py:function'"
+        )
+    return spec
 
 
 def load_reward_function(spec: str, kind: str = "function", label: str = "reward function") -> RewardFunction:
@@ -443,7 +476,7 @@ class RewardComposer:
             tracked.fn, prompts, completions, columns, spec.timeout, spec.effective_isolation
         )
         if status == "bad":
-            raise RewardError(
+            raise RewardValueError(
                 f"reward function {tracked.name!r} returned {payload}; it must return a list of {B} values, one per "
                 "completion: a float, or None for a completion it does not score (None is allowed per sample, inside "
                 "the list, not in place of the list)"
@@ -451,7 +484,9 @@ class RewardComposer:
         if status == "ok":
             values = payload
             if len(values) != B:
-                raise RewardError(f"reward function {tracked.name!r} returned {len(values)} values for {B} completions")
+                raise RewardValueError(
+                    f"reward function {tracked.name!r} returned {len(values)} values for {B} completions"
+                )
         elif status == "timeout" and not spec.retry_after_timeout:  # one deadline per call: no B more waits
             values = [None] * B
             tracked.batch_timeouts += 1
@@ -461,8 +496,8 @@ class RewardComposer:
             values = self._one_by_one(tracked, prompts, completions, columns)
         tracked.samples += B
         bad = tracked.failures + tracked.timeouts
-        if tracked.samples >= _MIN_SAMPLES_FOR_ABORT and bad > spec.max_failure_rate * tracked.samples:
-            raise RewardError(
+        if bad > spec.max_failure_rate * max(tracked.samples, _MIN_SAMPLES_FOR_ABORT):
+            raise RewardValueError(
                 f"reward function {tracked.name!r}: {tracked.failures} failures and {tracked.timeouts} timeouts "
                 f"({tracked.batch_timeouts} timed-out calls) in {tracked.samples} samples, over "
                 f"max_failure_rate={spec.max_failure_rate}"
@@ -523,7 +558,7 @@ class RewardComposer:
             components[tracked.name] = values
         for b in (~total.abs().le(_FLOAT32_MAX) & scored).nonzero().flatten().tolist():
             parts = {name: values[b] for name, values in components.items() if values[b] is not None}
-            raise RewardError(
+            raise RewardValueError(
                 f"the weighted sum of rewards of completion {b} is {float(total[b]):g}, beyond float32 (±3.4e38): "
                 f"{parts} (prompt {prompts[b]!r}, completion {completions[b]!r})"
             )
@@ -540,7 +575,7 @@ class RewardComposer:
         self.unscored_steps += 1
         names = ", ".join(t.name for t in self.functions)
         if self.max_unscored_steps and self.unscored_steps >= self.max_unscored_steps:
-            raise RewardError(
+            raise RewardValueError(
                 f"no reward function ({names}) scored any sample in {self.unscored_steps} steps in a row (every "
                 f"value None): nothing is being learned. Check that the data has the columns they need."
             )
@@ -569,14 +604,17 @@ class RewardComposer:
 def _checked(name: str, value, prompt: str, completion: str) -> float:
     """``value`` as a float when it is a finite real number (bool counts as 0/1); else a RewardError."""
     where = f"for prompt {prompt!r}, completion {completion!r}"
+    who = f"reward function {name!r}"
+    if name == "environment_reward":  # the episode's reward: what the environment's step() returned, summed
+        who = "the environment (env.name: its step() rewards make the episode's environment_reward)"
     if not isinstance(value, numbers.Real):
-        raise RewardError(
-            f"reward function {name!r} returned {type(value).__name__} {repr(value)[:200]} {where}; "
+        raise RewardValueError(
+            f"{who} returned {type(value).__name__} {repr(value)[:200]} {where}; "
             f"each value must be a real number (int, float) or None for 'not applicable'"
         )
     value = float(value)
     if math.isnan(value):
-        raise RewardError(f"reward function {name!r} returned NaN {where}; return None for 'not applicable'")
+        raise RewardValueError(f"{who} returned NaN {where}; return None for 'not applicable'")
     if math.isinf(value):
-        raise RewardError(f"reward function {name!r} returned {value} {where}; rewards must be finite")
+        raise RewardValueError(f"{who} returned {value} {where}; rewards must be finite")
     return value

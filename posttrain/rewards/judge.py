@@ -10,9 +10,10 @@
         kwargs: {path: runs/judge, template: "...Is the answer right?", yes: ["Yes"], no: ["No"]}
 
 ``template`` is a Python format string: ``{prompt}``, ``{completion}`` and any column of the prompt rows
-(``{answer}``) are filled per sample; a literal brace is written twice. The rendered text is the judge's
-user message, in the judge tokenizer's chat template when it has one (``chat_template``: auto | always
-| never, as ``data.chat_template``).
+(``{answer}``) are filled per sample; a literal brace is written twice. ``{prompt}`` and ``{completion}`` are
+the sample's even when the rows have a column of that name (distillation's reference ``completion``). The
+rendered text is the judge's user message, in the judge tokenizer's chat template when it has one
+(``chat_template``: auto | always | never, as ``data.chat_template``).
 
 (a) ``judge_score`` generates the judge's verdict (greedy by default) through a rollout engine of its
 own (``engine``: auto | hf | lean | vllm, the policy's engines) and parses it: the first match of
@@ -60,7 +61,10 @@ def template_fields(template: str) -> list[str]:
 
 def render(template: str, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[str]:
     """The judge's prompt text of each sample: ``template`` with ``{prompt}``, ``{completion}`` and the
-    rows' columns filled in. A placeholder naming no column is an error naming the columns there are."""
+    rows' columns filled in. A placeholder naming no column is an error naming the columns there are.
+
+    ``{prompt}`` and ``{completion}`` are always the sample's: a column of that name in the prompt rows (the
+    reference ``completion`` that ``posttrain distill`` with λ < 1 needs) does not replace them."""
     known = {"prompt", "completion", *columns}
     missing = [name for name in template_fields(template) if name not in known]
     if missing:
@@ -69,7 +73,7 @@ def render(template: str, prompts: list[str], completions: list[str], columns: d
             f"prompt rows (columns: {', '.join(sorted(columns)) or 'none'}); write a literal brace twice"
         )
     return [
-        template.format(prompt=p, completion=c, **{k: v[b] for k, v in columns.items()})
+        template.format(**{**{k: v[b] for k, v in columns.items()}, "prompt": p, "completion": c})
         for b, (p, c) in enumerate(zip(prompts, completions, strict=True))
     ]
 
@@ -253,6 +257,9 @@ def _check_common(fn, kwargs: dict, where: str) -> None:
     _check_count(_given(fn, kwargs, "batch_size"), f"{where}.batch_size")
     if _given(fn, kwargs, "chat_template") not in CHAT_TEMPLATE_MODES:
         raise ValueError(f"{where}.chat_template must be one of {CHAT_TEMPLATE_MODES}, got {kwargs['chat_template']!r}")
+    from posttrain.models.loading import check_device
+
+    check_device(_given(fn, kwargs, "device"), f"{where}.device")  # at start: a missing one failed after loading
 
 
 def _check_template(template: str, field: str) -> None:

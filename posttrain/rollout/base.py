@@ -9,7 +9,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from posttrain.sections import remembers_given
 
+
+@remembers_given  # a trainer's sampling defaults hold for SamplingParams(...) built in Python
 @dataclass
 class SamplingParams:
     """How responses are sampled."""

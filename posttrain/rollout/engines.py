@@ -15,11 +15,13 @@ import torch
 from torch import nn
 
 from posttrain.errors import UserError
-from posttrain.rollout.base import RolloutEngine, TokenScorer
+from posttrain.rollout.base import RolloutEngine, SamplingParams, TokenScorer
 from posttrain.rollout.hf import HFEngine
 from posttrain.rollout.lean import LeanEngine, written_out_gaps
+from posttrain.rollout.sync import SYNC_CHECKS, resolve_sync_check
 
 MODES = ("colocate", "server")
+BEHAVIOUR_LOGPROBS = ("auto", "full", "truncated")
 IMPORTANCE_SAMPLING = ("none", "token", "sequence", "token_mask", "sequence_mask")
 ON_STALE = ("drop", "regenerate")
 
@@ -54,6 +56,14 @@ class RolloutConfig:
     importance weights π_old/π_behaviour: none; token or sequence (truncated IS: min(ratio, cap)); token_mask
     (IcePop) or sequence_mask (MIS): the ratio inside [importance_floor, importance_cap], the token or the
     whole sequence dropped from the loss outside it."""
+    behaviour_logprobs: str = "auto"
+    """Which distribution the sampler's log-probs (π_behaviour: rollout/logprob_diff_*, importance_sampling's
+    π_old/π_behaviour) are of. full: log softmax(logits/τ) at the sampled token, the policy's own distribution
+    whatever top-k / top-p / min-new-tokens removed (equal to the training forward's on the same weights);
+    truncated: the distribution actually drawn from, renormalised over the tokens those kept (TRL's choice:
+    vLLM's processed log-probs), so the importance weight also corrects for the truncation (π_old/μ = the kept
+    mass at equal weights). auto: full for hf and lean, truncated for vLLM, which reports only that one when
+    top-k / top-p are on. docs/algorithms/async.md#truncated-sampling."""
     importance_cap: float = 2.0
     """Cap C of the truncated importance weight min(π_old/π_behaviour, C); the upper end of the mask band."""
     importance_floor: float | None = None
@@ -71,6 +81,19 @@ class RolloutConfig:
     regenerate (drawn again, synchronously, by the current policy)."""
     producer_threads: int = 1
     """Torch threads of the asynchronous producer process; the trainer keeps the rest of its threads."""
+    sync_check: str = "auto"
+    """After each weight hand-over to a sampler that holds its own copy, check that the copy is the trainer's
+    (rollout/sync.py) and stop naming the engine when it is not: fingerprint (exact float64 sums of strided
+    parameter slices; the asynchronous producer's hf/lean copy), logprobs (a fixed probe text's log-probs by
+    the engine against the trainer's forward, within sync_tolerance; vLLM, colocated or served), auto (the one
+    that applies; nothing for an hf/lean engine in the training process, which samples from the trained
+    module) or off."""
+    sync_tolerance: float = 0.5
+    """Largest mean |Δ log-prob| (nats) over the probe's tokens between a vLLM engine and the trainer's forward
+    that passes sync_check=logprobs: above a half-precision engine's rounding (0.07 for SmolLM2-135M in
+    bfloat16, 1e-5 in float32: docs/reliability.md), below what other weights give; 1e-3 suits float32."""
+    sync_timeout: float = 600.0
+    """Seconds one weight hand-over (vLLM's reload, the served /load_weights) may take before the run stops."""
 
     def validate(self, name: str = "rollout") -> None:
         choices = {
@@ -78,6 +101,7 @@ class RolloutConfig:
             "mode": MODES,
             "importance_sampling": IMPORTANCE_SAMPLING,
             "on_stale": ON_STALE,
+            "behaviour_logprobs": BEHAVIOUR_LOGPROBS,
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -87,10 +111,12 @@ class RolloutConfig:
         for key in ("sleep", "enforce_eager"):
             if getattr(self, key) and self.engine != "vllm":
                 raise ValueError(f"{name}.{key} applies to {name}.engine=vllm only, got engine={self.engine}")
-        if self.importance_sampling != "none" and self.engine != "vllm" and self.async_steps == 0:
+        off_policy = self.engine == "vllm" or self.async_steps or self.behaviour_logprobs == "truncated"
+        if self.importance_sampling != "none" and not off_policy:
             raise ValueError(
-                f"{name}.importance_sampling applies to {name}.engine=vllm or {name}.async_steps >= 1 only (an "
-                f"engine={self.engine} sampler in the training process draws with the trained weights themselves)"
+                f"{name}.importance_sampling applies to {name}.engine=vllm or {name}.async_steps >= 1 only, or with "
+                f"{name}.behaviour_logprobs=truncated (an engine={self.engine} sampler in the training process draws "
+                "with the trained weights themselves)"
             )
         if self.importance_cap < 1:
             raise ValueError(f"{name}.importance_cap must be >= 1, got {self.importance_cap}")
@@ -101,6 +127,45 @@ class RolloutConfig:
         if self.server_timeout <= 0 or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{name}.server_timeout must be > 0 and {name}.gpu_memory_utilization in (0, 1]")
         self._validate_async(name)
+        self._validate_sync(name)
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """At start, what the engine cannot sample as ``sampling`` asks: vLLM's log-probs under top-k / top-p are
+        of the truncated distribution, so behaviour_logprobs=full is refused there (``check_vllm_logprobs``,
+        which each vLLM engine runs again per request)."""
+        if self.engine == "vllm":
+            from posttrain.rollout.vllm_engine import check_vllm_logprobs  # vllm itself is not imported
+
+            check_vllm_logprobs(sampling, self.behaviour_logprobs == "full")
+
+    def _validate_sync(self, name: str) -> None:
+        if self.sync_check not in SYNC_CHECKS:
+            raise ValueError(f"{name}.sync_check must be one of {SYNC_CHECKS}, got {self.sync_check!r}")
+        if self.sync_check == "fingerprint" and self.engine == "vllm":
+            raise ValueError(
+                f"{name}.sync_check=fingerprint needs an engine holding the trainer's tensors under their names "
+                "(the asynchronous hf/lean producer); vLLM fuses and casts them: use sync_check=logprobs"
+            )
+        if self.sync_check == "logprobs" and self.engine != "vllm":
+            raise ValueError(
+                f"{name}.sync_check=logprobs applies to engine=vllm (which scores the probe); the asynchronous "
+                f"hf/lean producer's copy is checked exactly with sync_check=fingerprint, got engine={self.engine}"
+            )
+        if self.sync_check == "fingerprint" and not self.async_steps:
+            raise ValueError(
+                f"{name}.sync_check=fingerprint checks the asynchronous producer's copy (async_steps >= 1); an "
+                f"engine={self.engine} in the training process samples from the trained module itself"
+            )
+        if not self.sync_tolerance > 0 or not self.sync_timeout > 0:
+            raise ValueError(
+                f"{name}.sync_tolerance and {name}.sync_timeout must be > 0, got {self.sync_tolerance} and "
+                f"{self.sync_timeout}"
+            )
+
+    @property
+    def sync_check_in_force(self) -> str:
+        """``sync_check`` with auto resolved (``rollout.sync.resolve_sync_check``)."""
+        return resolve_sync_check(self.sync_check, self.engine, self.async_steps)
 
     def _validate_async(self, name: str) -> None:
         if self.async_steps < 0 or self.producer_threads < 1:
@@ -148,18 +213,24 @@ class RolloutConfig:
 
 
 def _hf(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, seed: int) -> RolloutEngine:
-    return HFEngine(policy, tokenizer)
+    return HFEngine(policy, tokenizer, truncated=config.behaviour_logprobs == "truncated")
 
 
 def _lean(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, seed: int) -> RolloutEngine:
-    return LeanEngine(policy, tokenizer)
+    return LeanEngine(policy, tokenizer, truncated=config.behaviour_logprobs == "truncated")
 
 
 def _vllm(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, seed: int) -> RolloutEngine:
     if config.mode == "server":
         from posttrain.rollout.vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine(config.server_url, tokenizer, config.server_timeout)
+        return VLLMServerEngine(
+            config.server_url,
+            tokenizer,
+            config.server_timeout,
+            sync=_sync_settings(config),
+            full_logprobs=config.behaviour_logprobs == "full",
+        )
     import torch.distributed as dist
 
     from posttrain.rollout.vllm_engine import VLLMEngine
@@ -175,7 +246,14 @@ def _vllm(config: RolloutConfig, policy: nn.Module, tokenizer, model_path: str, 
         enforce_eager=config.enforce_eager,
         sleep=config.sleep,
         external_launcher=ranked,
+        sync=_sync_settings(config),
+        full_logprobs=config.behaviour_logprobs == "full",
     )
+
+
+def _sync_settings(config: RolloutConfig) -> tuple[bool, float, float]:
+    """(check the probe's log-probs after each sync, sync_tolerance, sync_timeout) of a vLLM engine."""
+    return config.sync_check_in_force == "logprobs", config.sync_tolerance, config.sync_timeout
 
 
 def choose_engine(policy: nn.Module) -> tuple[str, str]:

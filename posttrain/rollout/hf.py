@@ -19,7 +19,7 @@ import contextlib
 import torch
 from torch import nn
 
-from posttrain.core import token_logprobs
+from posttrain.core import token_logprobs, truncated_logprobs
 from posttrain.rollout.base import Rollout, SamplingParams, build_rollout, left_pad
 
 
@@ -31,14 +31,18 @@ class _SamplingLogprobs:
     temperature, top-k and top-p warpers, so it sees the model's raw logits.
     """
 
-    def __init__(self, temperature: float, prompt_length: int):
+    def __init__(self, temperature: float, prompt_length: int, truncation: tuple[int, float] | None = None):
         self.temperature = temperature
         self.prompt_length = prompt_length
+        self.truncation = truncation  # (top_k, top_p): the log-prob of the truncated distribution drawn from
         self.pending: torch.Tensor | None = None  # logits [B, V] of the step whose token is not drawn yet
         self.logprobs: list[torch.Tensor] = []
 
     def _record(self, drawn: torch.Tensor) -> None:
-        self.logprobs.append(token_logprobs(self.pending[:, None, :], drawn[:, None], self.temperature)[:, 0])
+        if self.truncation is None:
+            self.logprobs.append(token_logprobs(self.pending[:, None, :], drawn[:, None], self.temperature)[:, 0])
+        else:
+            self.logprobs.append(truncated_logprobs(self.pending, drawn, self.temperature, *self.truncation))
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[1] > self.prompt_length:
@@ -182,9 +186,14 @@ class HFEngine:
 
     logprobs_exact = True  # recorded from the very logits the training forward computes
 
-    def __init__(self, model: nn.Module, tokenizer):
+    def __init__(self, model: nn.Module, tokenizer, truncated: bool = False):
         self.model = model
         self.tokenizer = tokenizer
+        # rollout.behaviour_logprobs=truncated: the log-probs of the truncated distribution drawn from, which
+        # the training forward does not compute (it recomputes π_old and weighs π_old/μ when asked)
+        self.truncated = truncated
+        if truncated:
+            self.logprobs_exact = False
 
     def sync_weights(self, policy: nn.Module) -> None:
         """Nothing to do: the engine samples from the trained module itself."""
@@ -206,10 +215,14 @@ class HFEngine:
         P = prompt_ids.shape[1]
 
         generation_config = sampling_generation_config(params, stop_ids, self.tokenizer.pad_token_id)
-        recorder = _SamplingLogprobs(params.logprob_temperature, P)
+        truncation = None
+        if self.truncated:  # greedy: a point mass, top-k 1
+            truncation = (1, 1.0) if params.temperature == 0 else (params.top_k, params.top_p)
+        recorder = _SamplingLogprobs(params.logprob_temperature, P, truncation)
         processors = [recorder]
-        if params.min_new_tokens > 0:
-            processors.append(MinNewTokensLengthLogitsProcessor(P, params.min_new_tokens, stop_ids, device=device))
+        if params.min_new_tokens > 0:  # before the recorder when its log-probs are of what is drawn from
+            forbid = MinNewTokensLengthLogitsProcessor(P, params.min_new_tokens, stop_ids, device=device)
+            processors.insert(1 if truncation is None else 0, forbid)
         criteria = []
         if params.stop_strings:
             stops = _StopStringPositions(self.tokenizer, params.stop_strings, len(rows), P, device)

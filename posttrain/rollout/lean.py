@@ -25,52 +25,42 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from posttrain.core import truncate_logits
 from posttrain.models.loading import cache_keyword, checkpointing_on
 from posttrain.rollout.base import Rollout, SamplingParams, build_rollout, left_pad
 from posttrain.rollout.hf import HFEngine, eos_token_ids
 
 
-def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Top-k then top-p (nucleus) filtering of temperature-scaled logits [B, V]: removed tokens get −inf.
-
-    Top-k keeps every token at least as likely as the k-th (ties included); top-p keeps the smallest
-    set of most likely tokens whose probability reaches ``top_p`` (always at least one), the rule of
-    transformers' TopK/TopP warpers (Holtzman et al. 2020).
-    """
-    if top_k and top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, -torch.inf)
-    if top_p < 1.0:
-        ascending, order = torch.sort(scaled, dim=-1)
-        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
-        remove[:, -1] = False
-        scaled = scaled.masked_fill(remove.scatter(1, order, remove), -torch.inf)
-    return scaled
-
-
 def draw(
-    logits: torch.Tensor, params: SamplingParams, forbid: torch.Tensor | None
+    logits: torch.Tensor, params: SamplingParams, forbid: torch.Tensor | None, truncated: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from logits [B, V]; returns (tokens [B], log π(token) at the log-prob τ [B]).
+    """One token per row from logits [B, V]; returns (tokens [B], log-prob of the token [B]).
 
     The log-prob is ``core.token_logprobs``'s logits[y]/τ − logsumexp(logits/τ), taken from the same
     log-softmax the draw uses when nothing is filtered. ``forbid``: token ids that may not be drawn at
     this step (EOS before min_new_tokens); they keep their probability in the recorded log-prob, which
-    is the policy's, not the sampler's.
+    is the policy's, not the sampler's. ``truncated`` (rollout.behaviour_logprobs=truncated): the log-prob
+    of the distribution drawn from instead, renormalised over what min-new-tokens, top-k and top-p kept
+    (``core.truncated_logprobs``; 0 for a greedy pick).
     """
     scaled = logits / params.logprob_temperature if params.logprob_temperature != 1.0 else logits
     log_p = torch.log_softmax(scaled, dim=-1)  # one kernel, not scaled - logsumexp (bench/README.md)
+    allowed = log_p.index_fill(1, forbid, -torch.inf) if forbid is not None else log_p
+    kept = allowed
     if params.temperature == 0:
-        allowed = log_p.index_fill(1, forbid, -torch.inf) if forbid is not None else log_p
         tokens = allowed.argmax(dim=-1)
     elif params.top_k > 0 or params.top_p < 1.0:
-        allowed = log_p.index_fill(1, forbid, -torch.inf) if forbid is not None else log_p
-        tokens = sample_categorical(filter_logits(allowed, params.top_k, params.top_p).exp())
+        kept = truncate_logits(allowed, params.top_k, params.top_p)
+        tokens = sample_categorical(kept.exp())
     elif forbid is not None:  # zero weight for the forbidden ids: the same draw as −inf before exp
         tokens = sample_categorical(log_p.exp().index_fill_(1, forbid, 0.0))
     else:
         tokens = sample_categorical(log_p.exp())
-    return tokens, log_p.gather(1, tokens[:, None])[:, 0]
+    if not truncated:
+        return tokens, log_p.gather(1, tokens[:, None])[:, 0]
+    if params.temperature == 0:
+        return tokens, torch.zeros_like(tokens, dtype=log_p.dtype)
+    return tokens, torch.log_softmax(kept, dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 def sample_categorical(weights: torch.Tensor) -> torch.Tensor:
@@ -140,7 +130,7 @@ class LeanEngine(HFEngine):
         active = torch.arange(B, device=device)  # the global row of each row still decoding
         steps = 0
         for t in range(T):
-            tokens, token_lp = draw(logits, params, stop_tensor if t < params.min_new_tokens else None)
+            tokens, token_lp = draw(logits, params, stop_tensor if t < params.min_new_tokens else None, self.truncated)
             everyone = len(active) == B
             sequences[slice(None) if everyone else active, P + t] = tokens
             logprobs[slice(None) if everyone else active, t] = token_lp

@@ -17,13 +17,16 @@ log-probs with its own forward and logs the gap (docs/pitfalls.md #4).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
 from torch import nn
 
+from posttrain.errors import UserError
 from posttrain.rollout.base import Rollout, SamplingParams, build_rollout
 from posttrain.rollout.hf import eos_token_ids
+from posttrain.rollout.sync import call_with_deadline, check_engine_probe
 
 
 def vllm_sampling_params(params: SamplingParams, n: int, stop_ids: list[int]):
@@ -43,6 +46,16 @@ def vllm_sampling_params(params: SamplingParams, n: int, stop_ids: list[int]):
         include_stop_str_in_output=True,
         logprobs=0,
     )
+
+
+def check_vllm_logprobs(params: SamplingParams, full: bool) -> None:
+    """vLLM reports the log-probs of the distribution it drew from (processed_logprobs): with top-k / top-p
+    on, the full softmax's (rollout.behaviour_logprobs=full) are not to be had from it."""
+    if full and (params.top_k > 0 or params.top_p < 1.0):
+        raise UserError(
+            "rollout.behaviour_logprobs=full with engine=vllm needs sampling.top_k=0 and sampling.top_p=1: vLLM "
+            "reports the log-probs of the truncated distribution it samples; use behaviour_logprobs=truncated"
+        )
 
 
 def score_params():
@@ -148,6 +161,8 @@ class VLLMEngine:
         enforce_eager: bool = False,
         sleep: bool = False,
         external_launcher: bool = False,
+        sync: tuple[bool, float, float] = (False, 0.5, 600.0),
+        full_logprobs: bool = False,
     ):
         # weights are handed over in-process: the engine core must live in this process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -162,6 +177,9 @@ class VLLMEngine:
             raise ValueError("rollout.sleep needs a GPU: vLLM's CPU backend has no sleep mode")
         self.tokenizer = tokenizer
         self.sleep = sleep
+        # rollout.sync_check=logprobs (the probe scored after each hand-over), sync_tolerance, sync_timeout
+        self.check_sync, self.sync_tolerance, self.sync_timeout = sync
+        self.full_logprobs = full_logprobs  # rollout.behaviour_logprobs=full: refused with top-k / top-p
         self.llm = vllm.LLM(
             model=model_path,
             tokenizer=model_path,
@@ -184,14 +202,25 @@ class VLLMEngine:
             self.llm.sleep(level=2)  # until the first rollout: training gets the memory
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Weights under the checkpoint's names into the running engine (vLLM's in-place reload)."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        """Weights under the checkpoint's names into the running engine (vLLM's in-place reload), within
+        rollout.sync_timeout."""
+        reload = functools.partial(
+            self.llm.collective_rpc, "reload_weights", kwargs={"weights_iterator": iter(weights)}
+        )
+        call_with_deadline(reload, self.sync_timeout, "the colocated vLLM engine's weight reload")
         self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
 
+    def check(self, policy: nn.Module) -> None:
+        """rollout.sync_check=logprobs: the engine's log-probs of the probe are the policy's forward's."""
+        if self.check_sync:
+            check_engine_probe("the colocated vLLM engine", policy, self.tokenizer, self.score, self.sync_tolerance)
+
     def sync_weights(self, policy: nn.Module) -> None:
-        """Hand vLLM the policy's current weights (merged for LoRA). Asleep, it gets them on waking."""
+        """Hand vLLM the policy's current weights (merged for LoRA), then check it holds them. Asleep, it gets
+        them on waking."""
         if not self.sleep:
             self.load(policy_weights(policy))
+            self.check(policy)
 
     @contextlib.contextmanager
     def generating(self, policy: nn.Module):
@@ -202,6 +231,7 @@ class VLLMEngine:
         self.llm.wake_up(tags=["weights"])
         self.load(policy_weights(policy))  # a level-2 sleep discarded the weights; the policy's current ones go in
         self.llm.wake_up(tags=["kv_cache"])
+        self.check(policy)
         try:
             yield
         finally:
@@ -209,6 +239,7 @@ class VLLMEngine:
 
     def sample(self, prompts: list[list[int]], params: SamplingParams, n: int) -> tuple[list[dict], list[int]]:
         """(``completions_of`` dicts, stop ids) of ``n`` samples per prompt."""
+        check_vllm_logprobs(params, self.full_logprobs)
         stop_ids = sorted(set(self._eos) | set(params.stop_token_ids))
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], vllm_sampling_params(params, n, stop_ids), use_tqdm=False

@@ -30,7 +30,8 @@ from torch import nn
 from posttrain.errors import UserError
 from posttrain.rollout.base import Rollout, SamplingParams
 from posttrain.rollout.hf import eos_token_ids
-from posttrain.rollout.vllm_engine import VLLMEngine, policy_weights, rollout_from_completions
+from posttrain.rollout.sync import WeightSyncError, check_engine_probe
+from posttrain.rollout.vllm_engine import VLLMEngine, check_vllm_logprobs, policy_weights, rollout_from_completions
 
 
 class VLLMServerError(RuntimeError):
@@ -43,8 +44,19 @@ class VLLMServerEngine:
 
     logprobs_exact = False
 
-    def __init__(self, url: str, tokenizer, timeout: float = 300.0, section: str = "rollout"):
+    def __init__(
+        self,
+        url: str,
+        tokenizer,
+        timeout: float = 300.0,
+        section: str = "rollout",
+        sync: tuple[bool, float, float] = (False, 0.5, 600.0),
+        full_logprobs: bool = False,
+    ):
         self.url = url.rstrip("/")
+        # rollout.sync_check=logprobs (the probe scored after each hand-over), sync_tolerance, sync_timeout
+        self.check_sync, self.sync_tolerance, self.sync_timeout = sync
+        self.full_logprobs = full_logprobs  # rollout.behaviour_logprobs=full: refused with top-k / top-p
         self.section = section  # the config section that points here, named in errors
         self.tokenizer = tokenizer
         self.timeout = timeout
@@ -56,10 +68,12 @@ class VLLMServerEngine:
         except VLLMServerError as err:
             raise UserError(str(err)) from err
 
-    def _call(self, path: str, body: bytes | None = None, content_type: str = "application/json") -> dict:
+    def _call(
+        self, path: str, body: bytes | None = None, content_type: str = "application/json", timeout: float | None = None
+    ) -> dict:
         request = urllib.request.Request(self.url + path, data=body, headers={"Content-Type": content_type})
         try:
-            with self._opener.open(request, timeout=self.timeout) as response:
+            with self._opener.open(request, timeout=timeout or self.timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as err:
             raise VLLMServerError(f"vLLM server {self.url}{path} failed: {err.code} {err.read()[:2000]!r}") from err
@@ -83,9 +97,26 @@ class VLLMServerEngine:
         if not several or dist.get_rank() == 0:
             # clones: safetensors refuses tensors that share storage (tied embeddings)
             blob = save({name: tensor.detach().cpu().contiguous().clone() for name, tensor in weights})
-            self._call("/load_weights", blob, "application/octet-stream")
+            self._load(blob)
         if several:
             dist.barrier()
+        if self.check_sync:  # every process: the probe's forward on a sharded policy is a collective
+            check_engine_probe(
+                f"the vLLM server at {self.url}", policy, self.tokenizer, self.score, self.sync_tolerance
+            )
+
+    def _load(self, blob: bytes) -> None:
+        """POST the weights; a hand-over slower than rollout.sync_timeout is a ``WeightSyncError``."""
+        try:
+            self._call("/load_weights", blob, "application/octet-stream", timeout=self.sync_timeout)
+        except VLLMServerError as err:
+            if not isinstance(getattr(err.__cause__, "reason", err.__cause__), TimeoutError):
+                raise
+            raise WeightSyncError(
+                f"the weight hand-over to the vLLM server at {self.url} (/load_weights) did not finish within "
+                f"rollout.sync_timeout={self.sync_timeout:g}s; the run stops (raise it if the model is large and "
+                "the link slow)"
+            ) from err
 
     def generating(self, policy: nn.Module):
         return contextlib.nullcontext()
@@ -97,6 +128,7 @@ class VLLMServerEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Rollout:
         params.validate()
+        check_vllm_logprobs(params, self.full_logprobs)
         request = {"prompts": [list(p) for p in prompts], "params": dataclasses.asdict(params), "n": n}
         answer = self._call("/generate", json.dumps(request).encode())
         stop_ids = sorted(set(self._eos) | set(params.stop_token_ids))

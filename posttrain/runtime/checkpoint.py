@@ -21,8 +21,11 @@ resumed run says so. Nothing non-finite is ever written: a model with a NaN or i
 
 A checkpoint is written under ``.tmp-step-000120``, flushed to disk, then renamed: a process killed
 while saving leaves the previous checkpoint as the latest one (docs/pitfalls.md #14). A full disk is said
-as such (``DiskFullError``), naming the folder; the save's temporary folder is removed, the older
-checkpoints are kept. Temporary folders a killed save left are removed by the next save.
+as such (``DiskFullError``), an unwritable folder too (``UnwritableError``), in one line naming the folder
+and what to do (resume only where an older checkpoint exists); the save's temporary folder is removed, the
+older checkpoints are kept. At the run's last step the final model (``write_final_model``: no optimizer
+state, so it may fit where the checkpoint did not) is written before the error is raised, and the message
+says whether it was. Temporary folders a killed save left are removed by the next save.
 """
 
 from __future__ import annotations
@@ -77,6 +80,11 @@ class CheckpointNotFoundError(UserError, FileNotFoundError):
 
 class DiskFullError(UserError, OSError):
     """No space left on the device while a checkpoint was written; its partial folder is removed."""
+
+
+class UnwritableError(UserError, OSError):
+    """A checkpoint or the final model could not be written for want of permission (or a read-only file
+    system); its partial folder is removed."""
 
 
 class NonFiniteError(RuntimeError):
@@ -257,6 +265,27 @@ def is_disk_full(err: BaseException) -> bool:
     return False
 
 
+def write_failure(err: BaseException) -> str | None:
+    """Why a write failed when the user can fix it: "no space left on device" (``is_disk_full``) or the
+    permission error's own words (EACCES, EPERM, EROFS); None for anything else (a bug)."""
+    if is_disk_full(err):
+        return "no space left on device"
+    for e in (err, err.__cause__, err.__context__):
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return os.strerror(e.errno).lower()
+    return None
+
+
+def _unwritable_error(what: str, failure: str, path: Path, err: BaseException, rest: str) -> OSError:
+    """The one-line error of a write of ``what`` to ``path`` that failed for ``failure`` (``write_failure``):
+    what the error said, then ``rest`` (what was kept and what to do)."""
+    said = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    full = failure == "no space left on device"
+    error = (DiskFullError if full else UnwritableError)(f"{what}: {failure} writing {path} ({said}); {rest}")
+    error.errno = errno.ENOSPC if full else errno.EACCES
+    return error
+
+
 def _remove_stale_tmp(root: Path) -> None:
     """Remove the temporary folders of saves that never finished (a killed run's): they hold disk space."""
     if root.is_dir():
@@ -266,14 +295,23 @@ def _remove_stale_tmp(root: Path) -> None:
 
 
 def save_checkpoint(
-    accelerator, output_dir, step: int, models: dict, tokenizer, trainer_state: dict, keep_last: int, per_process=None
+    accelerator,
+    output_dir,
+    step: int,
+    models: dict,
+    tokenizer,
+    trainer_state: dict,
+    keep_last: int,
+    per_process=None,
+    last: bool = False,
 ):
     """Write checkpoint ``step`` atomically and keep the newest ``keep_last``. Collective: call on every process.
     ``per_process(folder)``, when given, writes this process's own files into the checkpoint's folder (the
-    asynchronous producer's queue) before the manifest lists them.
+    asynchronous producer's queue) before the manifest lists them. ``last``: the run's last step.
 
-    A full disk raises ``DiskFullError`` saying so, with the folder, after removing the temporary folder
-    (the older checkpoints stay)."""
+    A full disk (or an unwritable folder) raises ``DiskFullError`` (``UnwritableError``) saying so, with the
+    folder, after removing the temporary folder (the older checkpoints stay); at the ``last`` step, after
+    writing the final model when it fits (``_unsaved``)."""
     root = checkpoints_dir(output_dir)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
@@ -302,25 +340,69 @@ def save_checkpoint(
         if code:
             raise OSError(errno.ENOSPC if code == 2 else errno.EIO, f"the main process could not write {tmp}")
     except Exception as err:
-        if not is_disk_full(err):  # left as a killed save leaves it: refused as partial, removed by the next save
+        failure = write_failure(err)
+        if failure is None:  # left as a killed save leaves it: refused as partial, removed by the next save
             raise
         if accelerator.is_main_process:  # it holds space the user needs back
             shutil.rmtree(tmp, ignore_errors=True)
-        kept = [p for p in list_checkpoints(output_dir) if p != final]
-        older = f"the older checkpoints are kept (latest: {kept[-1]})" if kept else "no older checkpoint exists"
-        said = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        full = DiskFullError(
-            f"checkpoint step {step}: no space left on device writing {tmp} ({said}); the partial folder was "
-            f"removed and {older}. Free space there (or lower run.keep_last) and resume with run.resume_from=latest"
-        )
-        full.errno = errno.ENOSPC
-        raise full from err
+        final_model = (models, state_dicts, tokenizer) if last else None
+        raise _unsaved(accelerator, output_dir, step, tmp, failure, err, final_model) from err
     if accelerator.is_main_process:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         for old in list_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _unsaved(accelerator, output_dir, step: int, tmp: Path, failure: str, err: BaseException, final) -> OSError:
+    """The one-line error of checkpoint ``step``, which could not be written (``failure``), its partial folder
+    ``tmp`` removed. ``final``: (models, state dicts, tokenizer) at the run's last step: the final model is
+    written first (it needs less space: no optimizer state) and the message says whether it was. What it
+    says to do is what can be done: resume only where an older checkpoint exists."""
+    kept = [p for p in list_checkpoints(output_dir) if p.name != f"step-{step:06d}"]
+    full = failure.startswith("no space")
+    fix = "free space there (or lower run.keep_last)" if full else f"make {tmp.parent} writable"
+    what = f"checkpoint step {step}{' (the last)' if final else ''}"
+    rest, again = "the partial folder was removed", None
+    if final is not None:
+        try:
+            written = write_final_model(accelerator, output_dir, *final)
+            rest += f"; the final model was written to {written} (it holds no optimizer state): the training is done"
+            again = f"{fix} to keep a resumable checkpoint of the last step"
+        except (DiskFullError, UnwritableError) as final_err:
+            rest += f", and the final model could not be written either ({final_err})"
+    if again is None:
+        older = f"the older checkpoints are kept (latest: {kept[-1]})" if kept else "no older checkpoint exists"
+        rest += f" and {older}"
+        how = "resume with run.resume_from=latest" if kept else "start the run again with run.overwrite=true"
+        again = f"{fix} and {how}"
+    return _unwritable_error(what, failure, tmp, err, f"{rest}. {again[0].upper()}{again[1:]}")
+
+
+def write_final_model(accelerator, output_dir, models: dict, state_dicts: dict, tokenizer) -> Path:
+    """``<output_dir>/final/<role>``: each role's Hugging Face folder with the tokenizer, from ``state_dicts``
+    (``get_state_dict``'s, checked finite); the main process writes, the others wait. A full disk or an
+    unwritable folder raises ``DiskFullError`` / ``UnwritableError`` in one line, the partial folders removed."""
+    from posttrain.models.template_mode import record_template_mode
+
+    final = Path(output_dir) / "final"
+    if accelerator.is_main_process:
+        try:
+            for role, model in models.items():
+                accelerator.unwrap_model(model).save_pretrained(final / role, state_dict=state_dicts[role])
+                tokenizer.save_pretrained(final / role)
+                record_template_mode(output_dir, final / role, tokenizer)  # data.chat_template, for later stages
+        except Exception as err:
+            failure = write_failure(err)
+            if failure is None:
+                raise
+            for written in list(models)[: list(models).index(role) + 1]:  # the roles this call wrote to
+                shutil.rmtree(final / written, ignore_errors=True)
+            removed = "the partial folder was removed"
+            raise _unwritable_error("final model", failure, final / role, err, removed) from err
     accelerator.wait_for_everyone()
     return final
 

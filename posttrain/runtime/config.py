@@ -24,11 +24,14 @@ from typing import Any
 
 import yaml
 
+from posttrain.sections import given_fields, remembers_given
+
 SCHEDULERS = ("constant", "linear", "cosine")
 REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
 
+@remembers_given  # GRPO's optim default (lr 1e-6, constant) holds for OptimConfig(lr=...) built in Python
 @dataclass
 class OptimConfig:
     """AdamW and its learning-rate schedule."""
@@ -98,8 +101,9 @@ class RunConfig:
     """The W&B / trackio project and the MLflow experiment the run is logged under."""
     name: str | None = None
     """The run's name in W&B, MLflow and trackio; null = output_dir's name (sft, rm, dpo) or the trainer's."""
-    progress: bool = True
-    """Show a progress bar with step, ETA and the key metrics."""
+    progress: bool | None = True
+    """true: a progress bar with step, ETA and the key metrics; false: one plain line per logged step instead
+    (for log files); null: nothing per step (a caller that prints its own lines, as ``posttrain demo``)."""
     mixed_precision: str = "no"
     """accelerate mixed precision: no, bf16 or fp16."""
     keep_freed_memory: bool = True
@@ -286,14 +290,108 @@ def _parse_value(text: str, where: str):
 class UnknownKey(ValueError):
     """A config key that is not a field: ``where`` is the section ("optim", "rewards[0]"; "" at the top)."""
 
-    def __init__(self, where: str, key: str, allowed: list[str]):
+    def __init__(self, where: str, key: str, allowed: list[str], cls=None):
         self.where, self.key = where, key
         dotted = f"{where}.{key}" if where else key
-        hint = _did_you_mean(key, allowed)
+        hint = _did_you_mean(key, allowed, cls, where)
         super().__init__(f"unknown config key {dotted!r}{hint}; allowed here: {', '.join(allowed)}")
 
 
-def _did_you_mean(key: str, allowed) -> str:
+# TRL's (and transformers.TrainingArguments') names, and a few short ones, for what posttrain calls otherwise:
+# {name: the posttrain keys it may be, from the config's root}; a hint names the first one the config has there.
+TRL_NAMES = {
+    "learning_rate": ("optim.lr",),
+    "lr_scheduler_type": ("optim.scheduler",),
+    "warmup_steps": ("optim.warmup_steps",),
+    "weight_decay": ("optim.weight_decay",),
+    "max_grad_norm": ("optim.max_grad_norm",),
+    "adam_beta1": ("optim.adam_beta1",),
+    "adam_beta2": ("optim.adam_beta2",),
+    "adam_epsilon": ("optim.adam_eps",),
+    "model_name_or_path": ("model.path",),
+    "model": ("model.path",),
+    "gradient_checkpointing": ("model.gradient_checkpointing",),
+    "per_device_train_batch_size": ("run.micro_batch_size",),
+    "gradient_accumulation_steps": ("run.batch_size",),
+    "num_train_epochs": ("run.epochs",),
+    "max_steps": ("run.max_steps",),
+    "output_dir": ("run.output_dir",),
+    "overwrite_output_dir": ("run.overwrite",),
+    "resume_from_checkpoint": ("run.resume_from",),
+    "seed": ("run.seed",),
+    "logging_steps": ("run.log_every",),
+    "eval_steps": ("run.eval_every",),
+    "eval_strategy": ("run.eval_every",),
+    "save_steps": ("run.save_every",),
+    "save_total_limit": ("run.keep_last",),
+    "report_to": ("run.report_to",),
+    "run_name": ("run.name",),
+    "bf16": ("run.mixed_precision",),
+    "fp16": ("run.mixed_precision",),
+    "disable_tqdm": ("run.progress",),
+    "dataset_name": ("data.path",),
+    "train_dataset": ("data.path",),
+    "max_length": ("data.max_length",),
+    "max_seq_length": ("data.max_length",),
+    "max_prompt_length": ("data.max_prompt_length",),
+    "max_completion_length": ("sampling.max_new_tokens", "eval.max_new_tokens"),
+    "max_new_tokens": ("sampling.max_new_tokens", "eval.max_new_tokens"),
+    "temperature": ("sampling.temperature",),
+    "top_p": ("sampling.top_p",),
+    "top_k": ("sampling.top_k",),
+    "use_vllm": ("rollout.engine",),
+    "vllm_mode": ("rollout.mode",),
+    "reward_funcs": ("rewards",),
+    "reward_weights": ("rewards",),
+    "beta": ("kl_coef", "beta"),
+    "epsilon": ("clip_low",),
+    "epsilon_high": ("clip_high",),
+    "num_ppo_epochs": ("ppo_epochs",),
+    "num_mini_batches": ("minibatches",),
+    "mask_truncated_completions": ("mask_truncated",),
+    "per_device_eval_batch_size": ("eval.batch_size",),
+    "eval_dataset": ("eval.path",),
+    "lora_r": ("model.lora",),
+    "peft_config": ("model.lora",),
+    "lr": ("optim.lr",),  # and a few short names users guess
+    "batch_size": ("run.batch_size",),
+    "epochs": ("run.epochs",),
+}
+# what to know where TRL's name and posttrain's differ in meaning, not just in name
+TRL_NOTES = {
+    "per_device_train_batch_size": "run.batch_size is a step's examples, all processes together",
+    "gradient_accumulation_steps": "a step's examples; accumulation is run.batch_size / run.micro_batch_size",
+    "eval_strategy": "held-out evaluation every this many steps",
+    "bf16": "run.mixed_precision=bf16",
+    "fp16": "run.mixed_precision=fp16",
+    "disable_tqdm": "run.progress=false",
+    "use_vllm": "rollout.engine=vllm",
+    "reward_weights": "each reward's weight: rewards=[{function: ..., weight: 0.5}]",
+    "reward_funcs": "rewards=[{function: module:function}]",
+    "lora_r": "model.lora={r: 16, lora_alpha: 32, target_modules: all-linear}",
+    "peft_config": "model.lora={r: 16, lora_alpha: 32, target_modules: all-linear}",
+}
+
+
+def _has_key(cls, dotted: str) -> bool:
+    """Whether the dataclass ``cls`` has the (dotted) key ``dotted``."""
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in hints:
+            return False
+        options = [a for a in (typing.get_args(hints[part]) or (hints[part],)) if dataclasses.is_dataclass(a)]
+        cls = options[0] if options else None
+    return True
+
+
+def _did_you_mean(key: str, allowed, cls=None, where: str = "") -> str:
+    """A hint for the unknown ``key`` of section ``where`` (dataclass ``cls``, "" at the root): posttrain's
+    name for a TRL one (``learning_rate``: optim.lr), else the closest of ``allowed``."""
+    prefix = f"{where}." if where else ""
+    for dotted in TRL_NAMES.get(key, ()) if cls is not None else ():
+        if dotted.startswith(prefix) and _has_key(cls, dotted.removeprefix(prefix)):
+            note = f": {TRL_NOTES[key]}" if key in TRL_NOTES else ""
+            return f" (did you mean {dotted}? posttrain's name for TRL's {key}{note})"
     close = difflib.get_close_matches(key, list(allowed), n=1)
     return f" (did you mean {close[0]}?)" if close else ""
 
@@ -305,7 +403,7 @@ def from_dict(cls, data: dict, where: str = "", base=None):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
-        raise UnknownKey(where, str(unknown[0]), list(fields))
+        raise UnknownKey(where, str(unknown[0]), list(fields), cls)
     kwargs = {
         k: _convert(
             v,
@@ -341,7 +439,7 @@ def apply_override(data: dict, cls, assignment: str) -> None:
             prefix = ".".join(parts[:depth])
             raise ValueError(
                 f"unknown config key {key.strip()!r}: {prefix + '.' if prefix else ''}{part} is not one of "
-                f"{', '.join(names)}{_did_you_mean(part, names)}"
+                f"{', '.join(names)}{_did_you_mean(part, names, node_cls, prefix)}"
             )
         if depth == len(parts) - 1:
             try:
@@ -448,6 +546,58 @@ def with_presets(cls):
 
     cls.__init__ = __init__
     return cls
+
+
+def python_sections(cls):
+    """Class decorator for a trainer config: what Python gives its constructor is resolved as a YAML file
+    and ``key=value`` are (``from_dict``). A section built with some of its fields,
+    ``GRPOConfig(data=DataConfig(path=...))``, is the trainer's own default section (GRPO's: no max_length,
+    512 prompt tokens) with those fields replaced (``sections.remembers_given`` records them); a list of
+    specs (``rewards``, here or in a section) may hold mappings of a spec's fields or the reward functions
+    themselves, as TRL takes them."""
+    init = cls.__init__
+    fields = dataclasses.fields(cls)
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for f in fields:
+            value = getattr(self, f.name)
+            given = given_fields(value) if dataclasses.is_dataclass(value) else None
+            if given is not None and f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+                if type(default) is type(value) and default != value:
+                    value = dataclasses.replace(default, **{k: getattr(value, k) for k in given})
+            setattr(self, f.name, _python_lists(value, f.name) if dataclasses.is_dataclass(value) else value)
+        _python_lists(self, "")
+
+    cls.__init__ = __init__
+    return cls
+
+
+def _python_lists(section, where: str):
+    """``section`` with each item of its lists of specs made a spec: a mapping of the spec's fields, or a
+    function (the spec's first field: ``RewardSpec(function)``). Returns ``section``, changed in place."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        items, (item_cls, *_) = getattr(section, f.name), typing.get_args(hints[f.name]) or (None,)
+        if typing.get_origin(hints[f.name]) is not list or not dataclasses.is_dataclass(item_cls):
+            continue
+        key = f"{where}.{f.name}" if where else f.name
+        setattr(section, f.name, [_python_item(item_cls, item, f"{key}[{i}]") for i, item in enumerate(items)])
+    return section
+
+
+def _python_item(cls, item, where: str):
+    if isinstance(item, cls):
+        return item
+    if isinstance(item, dict):
+        functions = {k: v for k, v in item.items() if callable(v)}
+        spec = from_dict(cls, {k: v for k, v in item.items() if k not in functions}, where)
+        return dataclasses.replace(spec, **functions) if functions else spec
+    if callable(item):
+        return cls(item)
+    raise ValueError(f"{where} must be a {cls.__name__}, a mapping of its fields or a function, got {item!r}")
 
 
 def preset_conflict(presets: dict[str, dict], preset: str, key: str, value) -> str:

@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from posttrain.errors import UserError
 from posttrain.models import ModelConfig, is_peft_adapter
 from posttrain.rewards import load_reward_function
@@ -61,6 +63,7 @@ def check_inputs(config) -> None:
         check_writable("run.output_dir", run.output_dir)
         with locked_run_dir(run.output_dir):  # one run per folder, for the run's life (runlock); not if refused
             check_run_dir(run)
+        check_async_resume(config)
     elif vars(config).get("output_dir"):  # posttrain eval --output-dir
         check_writable("output_dir", config.output_dir)
     cap_to_context(config)
@@ -76,6 +79,29 @@ def world_size() -> int:
         if os.environ.get(variable):
             return int(os.environ[variable])
     return 1
+
+
+def check_async_resume(config) -> None:
+    """Refuse at start to resume a run of ``rollout.async_steps`` with another number of processes than wrote
+    its checkpoint: each process's queue of drawn batches holds its own prompts (``producer.load_queue``,
+    which said so after the models loaded, in a traceback per process)."""
+    rollout, run = vars(config).get("rollout"), config.run
+    if rollout is None or not rollout.async_steps or run.resume_from is None:
+        return
+    from posttrain.runtime.checkpoint import resolve_resume
+    from posttrain.runtime.producer import QUEUE_FILE
+
+    try:
+        path = resolve_resume(run.output_dir, run.resume_from, say=lambda message: None)
+    except UserError:  # a missing or damaged checkpoint: said by the trainer's own resume, as without async
+        return
+    saved = 0 if path is None else len(list(path.glob(QUEUE_FILE.format("*"))))
+    if saved and saved != world_size():
+        raise UserError(
+            f"run.resume_from: {path} holds the asynchronous rollout queues (rollout.async_steps) of {saved} "
+            f"process(es), this launch has {world_size()}: each process's queue holds its own prompts; resume with "
+            f"{saved} process(es) (torchrun --nproc_per_node {saved}), or start a new run"
+        )
 
 
 def check_launch() -> None:
@@ -119,7 +145,8 @@ def check_engines(config) -> None:
         raise UserError(
             "launch: the accelerate config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true), which is not "
             "installed: `pip install deepspeed` (`make .venv-ds/.installed` on CPU), or launch without a DeepSpeed "
-            "config (examples/accelerate/ddp.yaml, fsdp2.yaml)"
+            "config (plain DDP: `torchrun --nproc_per_node N -m posttrain.cli ...`; FSDP2: "
+            "examples/accelerate/fsdp2.yaml)"
         )
     rollout = vars(config).get("rollout")
     sharded = fsdp_requested() or (deepspeed_requested() and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3")
@@ -396,13 +423,16 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "final")  # what a run folder holds
 def check_run_dir(run) -> None:
     """A fresh run needs an empty or missing ``output_dir``, or ``overwrite``. ``resume_from=latest``
     that finds no complete checkpoint is a fresh run: a folder holding a run (config.yaml,
-    metrics.jsonl or final/) is then refused, never silently started over (``overwrite`` replaces it)."""
+    metrics.jsonl or final/) is then refused, never silently started over (``overwrite`` replaces it).
+    A folder whose run failed before its first step finished (``never_stepped``) counts as empty."""
     from posttrain.runtime.checkpoint import list_checkpoints
 
     out = Path(run.output_dir)
     if run.overwrite or not out.is_dir():
         return
     if run.resume_from is not None and (run.resume_from != "latest" or list_checkpoints(out)):
+        return
+    if never_stepped(out):  # a run that failed at start: the fresh run clears it (loop.start_run)
         return
     held = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE)
     if run.resume_from == "latest" and (found := [name for name in RUN_FILES if (out / name).exists()]):
@@ -417,6 +447,38 @@ def check_run_dir(run) -> None:
             "set run.resume_from=latest to continue it, run.overwrite=true to replace it, "
             "or choose another run.output_dir"
         )
+
+
+RECORD_FILES = ("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "eval_samples.jsonl")  # one record per step
+RUN_STARTS = frozenset({"config.yaml", *RECORD_FILES, "eval_errors.log", "tensorboard", "wandb", LOCK_FILE})
+"""What a run writes into its folder before its first step finishes (config, records, the sinks' folders, the lock)."""
+
+
+def never_stepped(out: Path) -> bool:
+    """Whether the folder ``out`` holds a posttrain run that ended before its first step: only what a run writes
+    at start (``RUN_STARTS``), metrics.jsonl among it, its config.yaml a resolved config whose ``run.output_dir``
+    is this folder, and no record of a step after 0 (step 0 is the held-out evaluation before any update). It
+    counts as empty: a fresh run, or ``resume_from=latest``, clears it and starts at step 0. Anything else in it
+    (a file of the user's, a hand-written config.yaml alone, checkpoints/, final/) keeps the fresh run's refusal."""
+    started = all((out / name).is_file() for name in ("config.yaml", "metrics.jsonl"))  # the jsonl sink opened
+    if not started or any(p.name not in RUN_STARTS for p in out.iterdir()):
+        return False
+    try:
+        written = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
+        if Path(written["run"]["output_dir"]).resolve() != out.resolve():
+            return False
+    except (yaml.YAMLError, OSError, KeyError, TypeError):  # not the config a run wrote here
+        return False
+    for name in RECORD_FILES:
+        lines = (out / name).read_text(encoding="utf-8").splitlines() if (out / name).is_file() else []
+        for line in filter(str.strip, lines):
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):  # a torn or foreign line: not known to be empty
+                return False
+            if step != 0:
+                return False
+    return True
 
 
 def model_context(path: str) -> int | None:

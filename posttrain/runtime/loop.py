@@ -45,9 +45,10 @@ from posttrain.runtime.checkpoint import (
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
+    write_final_model,
 )
 from posttrain.runtime.config import OptimConfig, RunConfig, to_dict
-from posttrain.runtime.inputs import check_batch_split, check_inputs
+from posttrain.runtime.inputs import RECORD_FILES, check_batch_split, check_inputs, never_stepped
 from posttrain.runtime.metrics import MetricsLogger, read_metrics
 from posttrain.runtime.runlock import LOCK_FILE
 from posttrain.runtime.signals import handles_stop_signals, stop_if_signalled
@@ -328,9 +329,9 @@ def run_offline(
         if done % run.log_every == 0 or done == total_steps or evaluated:
             logger.log(done, record, bar_keys)
         logger.advance()
-        trainer_state = {"epoch": metrics["epoch"]}
         save = functools.partial(
-            save_checkpoint, accelerator, run.output_dir, done, saved, tokenizer, trainer_state, run.keep_last
+            save_checkpoint, accelerator, run.output_dir, done, saved, tokenizer, {"epoch": metrics["epoch"]},
+            run.keep_last, last=done == total_steps,  # at the last step a full disk still writes final/
         )
         due = checkpoint_due(run, done, total_steps)
         if due:
@@ -474,16 +475,7 @@ def save_final(accelerator, output_dir, models: dict, tokenizer) -> None:
     non-finite one: NonFiniteError instead)."""
     state_dicts = {role: accelerator.get_state_dict(model) for role, model in models.items()}
     check_finite_weights(accelerator, "final model", state_dicts)
-    for role, model in models.items():
-        if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(
-                Path(output_dir) / "final" / role, state_dict=state_dicts[role]
-            )
-            tokenizer.save_pretrained(Path(output_dir) / "final" / role)
-            from posttrain.models.template_mode import record_template_mode
-
-            record_template_mode(output_dir, Path(output_dir) / "final" / role, tokenizer)  # for later stages
-    accelerator.wait_for_everyone()
+    write_final_model(accelerator, output_dir, models, state_dicts, tokenizer)  # a full disk: one line
 
 
 def optimizer_step(
@@ -555,10 +547,12 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
     accelerator.wait_for_everyone()
     state = None
     resume = resolve_resume(run.output_dir, run.resume_from, say=lambda line: accelerator.print(f"[{run_name}] {line}"))
-    if run.overwrite and resume is None:  # a fresh run (latest found none): every process refuses a foreign folder
+    # a fresh run (latest found none) clears the folder with run.overwrite, or one whose run never stepped
+    clear = resume is None and (run.overwrite or never_stepped(Path(run.output_dir)))
+    if clear:  # every process refuses a foreign folder
         check_clearable(run.output_dir)
     accelerator.wait_for_everyone()  # every process looked for the checkpoint before one is cleared
-    if run.overwrite and resume is None and accelerator.is_main_process:
+    if clear and accelerator.is_main_process:
         clear_run_dir(run.output_dir)
     if run.resume_from == "latest" and resume is None:
         accelerator.print(f"[{run_name}] resume_from=latest: no checkpoint in {run.output_dir}; starting at step 0")
@@ -570,7 +564,7 @@ def start_run(accelerator, config, total_steps: int, run_name: str) -> tuple[dic
             accelerator.print(f"[{run_name}] {note}")
     elapsed = 0.0
     if accelerator.is_main_process and run.resume_from is not None:
-        for name in ("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "eval_samples.jsonl"):
+        for name in RECORD_FILES:
             # no checkpoint: nothing is kept, not even step 0's held-out evaluation (it runs again)
             truncate_records(Path(run.output_dir) / name, -1 if state is None else state["step"])
         if state is not None and (Path(run.output_dir) / "metrics.jsonl").is_file():

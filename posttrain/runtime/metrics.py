@@ -21,7 +21,7 @@ class MetricsLogger:
         config: dict,
         enabled: bool = True,
         progress_total: int | None = None,
-        progress: bool = True,
+        progress: bool | None = True,
         run_name: str | None = None,
         purge_after: int | None = None,
         project: str = "posttrain",
@@ -33,6 +33,9 @@ class MetricsLogger:
         self._tb = self._wandb = self._mlflow = self._trackio = None
         self._bar = None
         self._shown: dict[str, str] = {}  # the bar keeps a key's last value (eval runs only some steps)
+        # progress=False: one plain line per logged step instead of the bar (None: neither)
+        self._lines = progress is False and progress_total is not None
+        self._total, self._name = progress_total, run_name or "train"
         self._start = time.perf_counter() - elapsed  # a resumed run's ``time`` continues from its checkpoint's
         if not enabled:
             return
@@ -91,9 +94,13 @@ class MetricsLogger:
             self._mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None}, step=step)
         if self._trackio is not None:
             self._trackio.log({k: float(v) for k, v in metrics.items() if v is not None}, step=step)
+        step_values = {k: f"{metrics[k]:.4g}" for k in keys_for_bar if metrics.get(k) is not None}
         if self._bar is not None:
-            self._shown.update({k: f"{metrics[k]:.4g}" for k in keys_for_bar if k in metrics})
+            self._shown.update(step_values)
             self._bar.set_postfix(self._shown, refresh=False)
+        if self._lines:
+            shown = "".join(f"  {k} {v}" for k, v in step_values.items())
+            print(f"[{self._name}] step {step}/{self._total}{shown}  ({record['time']:.0f} s)", flush=True)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:

@@ -40,7 +40,6 @@ from posttrain.rollout import (
     Rollout,
     RolloutConfig,
     RolloutEngine,
-    SamplingParams,
     build_engine,
     choose_engine,
     ignored_checkpoint_sampling,
@@ -57,6 +56,8 @@ from posttrain.runtime.loop import (
     start_run,
 )
 from posttrain.runtime.prefix import SharedPrefix, packed_rollout_rows, prompt_cache_applies, unpack_rows
+from posttrain.runtime.producer import Producer
+from posttrain.runtime.sampling import sample
 from posttrain.runtime.update import StepMetrics, Tally, micro_slices, ratio, reduce_tallies
 
 
@@ -212,8 +213,6 @@ class OnlineTrainer:
         cfg, acc = self.config, self.accelerator
         if not cfg.rollout.async_steps:
             return
-        from posttrain.runtime.producer import Producer
-
         if cfg.rollout.mode == "server" and acc.num_processes > 1:
             raise UserError(
                 "rollout.async_steps with rollout.mode=server runs on one training process: the producers of "
@@ -389,6 +388,7 @@ class OnlineTrainer:
             self.state(),
             cfg.run.keep_last,
             per_process=None if producer is None else lambda tmp: producer.save_queue(tmp, acc.process_index),
+            last=done == self.total_steps,
         )
         if producer is not None:
             producer.last_checkpoint = str(folder)
@@ -453,17 +453,6 @@ class PromptSampler:
         indices = self.take(k * accelerator.num_processes)
         mine = indices[accelerator.process_index * k : (accelerator.process_index + 1) * k]
         return [prompts[i] for i in mine]
-
-
-def sample(engine: RolloutEngine, policy, prompts: list[PromptExample], params: SamplingParams, n: int):
-    """A rollout of ``n`` samples per prompt from ``policy`` (the unwrapped trained module), and each
-    reward column repeated to match its rows."""
-    with engine.generating(policy):
-        rollout = engine.generate([p.prompt_ids for p in prompts], params, n=n)
-    keys = sorted({k for p in prompts for k in p.columns})
-    columns = {k: [p.columns.get(k) for p in prompts for _ in range(n)] for k in keys}
-    rollout.columns = columns
-    return rollout, columns
 
 
 def check_episodes(config) -> None:
@@ -707,11 +696,11 @@ class OffPolicyTally:
         self.tally.add("weight_max", torch.where(valid, weights, 0.0).max())
         return weights
 
-    def kl(self, kl: torch.Tensor, valid: torch.Tensor) -> None:
-        per_row = torch.where(valid, kl, 0.0).sum(-1)
-        self.tally.add("kl", per_row.sum())
-        self.tally.add("rows", len(per_row))
-        self.tally.add("kl_tokens", valid.sum())
+    def kl(self, kl: torch.Tensor, mask: torch.Tensor) -> None:
+        """The KL to the reference [b, T] over ``mask`` (the loss mask: the tokens that train), tallied as
+        ``kl_metrics`` tallies the separate pass's."""
+        for key, value in kl_sums(kl, mask).items():
+            self.tally.add(f"kl.{key}", value)
         self.with_kl = True
 
     def result(self, accelerator, importance: bool) -> dict[str, float]:
@@ -729,8 +718,7 @@ class OffPolicyTally:
             out["rollout/importance_weight_max"] = total["weight_max"]
             out["rollout/importance_clipped_share"] = total["outside"] / tokens
         if self.with_kl:
-            out["kl/per_token"] = total["kl"] / max(total["kl_tokens"], 1.0)
-            out["kl/per_sequence"] = total["kl"] / max(total["rows"], 1.0)
+            out.update(kl_finish({key: total[f"kl.{key}"] for key in ("tokens", "total", "rows")}))
         return out
 
 
@@ -812,23 +800,23 @@ def episode_metrics(step: StepMetrics, rollout: Rollout) -> None:
 
 
 def kl_metrics(step: StepMetrics, kl: torch.Tensor, mask: torch.Tensor) -> None:
-    """KL per token (masked mean) and per sequence (mean of row sums), over all processes, added to ``step``."""
-    per_sequence = torch.where(mask.bool(), kl, 0.0).sum(-1)
+    """KL per token and per sequence (``kl_finish``) over ``mask`` [B, T] (1 = the token trains) of every
+    process, added to ``step``."""
+    step.add("kl", kl_finish, **kl_sums(kl, mask))
 
-    def finish(t: dict[str, float]) -> dict[str, float]:
-        return {
-            "kl/per_token": t["total"] / max(t["tokens"], 1.0),
-            "kl/per_sequence": t["sequences"] / max(t["rows"], 1.0),
-        }
 
-    step.add(
-        "kl",
-        finish,
-        tokens=mask.sum(),
-        total=torch.where(mask.bool(), kl, 0.0).sum(),
-        sequences=per_sequence.sum(),
-        rows=len(kl),
-    )
+def kl_sums(kl: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The local sums the KL metrics come from, added up over micro-batches and processes: the tokens of
+    ``mask`` [B, T], their KL ``kl`` [B, T] summed (garbage where the mask is 0 is selected away), and the rows
+    with a token in the mask (a row without one, unscored or left out, is in neither sum)."""
+    valid = mask.bool()
+    return {"tokens": valid.sum(), "total": torch.where(valid, kl, 0.0).sum(), "rows": valid.any(-1).sum()}
+
+
+def kl_finish(t: dict[str, float]) -> dict[str, float]:
+    """``kl/per_token`` (the masked mean) and ``kl/per_sequence`` (the mean over the rows that train of each
+    row's sum) from the totals of ``kl_sums``; 0 without a token."""
+    return {"kl/per_token": t["total"] / max(t["tokens"], 1.0), "kl/per_sequence": t["total"] / max(t["rows"], 1.0)}
 
 
 def advantage_metrics(step: StepMetrics, advantages: torch.Tensor, mask: torch.Tensor) -> None:

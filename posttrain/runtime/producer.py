@@ -13,9 +13,10 @@ Weights. The trainer publishes its trainable parameters into a shared-memory cop
 version is overwritten only once the worker has taken it for every batch that asked for it, so neither
 side ever reads a half-written or a newer version than the schedule says.
 
-Failure. The worker sends any exception back with its traceback; a worker that dies without a word (killed,
-out of memory) is noticed within a second by the trainer waiting on it, which raises ``ProducerError``
-naming it, its exit code and the last checkpoint. The worker dies with the trainer (PR_SET_PDEATHSIG).
+Failure. The worker sends a ``UserError`` back as its class and one line, any other exception with its
+traceback; a worker that dies without a word (killed, out of memory) is noticed within a second by the
+trainer waiting on it, which raises ``ProducerError`` naming it, its exit code and the last checkpoint.
+The worker dies with the trainer (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from posttrain.errors import UserError
+from posttrain.rollout.sync import check_copy, named_fingerprint
 
 QUEUE_FILE = "rollout_queue_{}.pt"
 POLL_SECONDS = 0.5
@@ -74,6 +78,10 @@ class Producer:
         k = rollout_config.async_steps
         self.steps_ahead, self.start_version = k, start_version
         self.names = trainable_names(policy)
+        # rollout.sync_check: the trainer's fingerprint of each version, compared with the worker's copy at `take`
+        self.checking = rollout_config.sync_check_in_force == "fingerprint"
+        self.expected = {start_version: named_fingerprint(policy, self.names)} if self.checking else {}
+        self.checked: dict[int, dict] = {}  # batch → the worker's fingerprint of the weights that drew it
         context = mp.get_context("spawn")  # fork after torch's thread pools start is unsafe
         self.shared = _sampling_copy(policy).share_memory()
         # one writer each (the trainer, the worker) and no lock of their own: a worker killed while holding
@@ -96,6 +104,7 @@ class Producer:
                 "process_index": process_index,
                 "threads": rollout_config.producer_threads,
                 "names": self.names,
+                "check": self.checking,
             },
             name=f"posttrain-producer-{process_index}",
             daemon=True,
@@ -120,7 +129,10 @@ class Producer:
         while batch not in self.ready:
             self._receive()
         rollout, times = self.ready.pop(batch)
-        return rollout, self.requested.pop(batch), {**times, "wait": time.perf_counter() - start}
+        request = self.requested.pop(batch)
+        if batch in self.checked:  # batches a resumed checkpoint saved were drawn by the killed run
+            check_copy(self.process.name, self.expected, self.checked.pop(batch), request)
+        return rollout, request, {**times, "wait": time.perf_counter() - start}
 
     def publish(self, policy, version: int) -> None:
         """Write ``policy``'s trainable weights as ``version``, once the worker has taken the version they
@@ -144,6 +156,10 @@ class Producer:
             self.version.value = version
         finally:
             self.lock.release()
+        if self.checking:
+            self.expected[version] = named_fingerprint(policy, self.names)
+            oldest = min([r.version for r in self.requested.values()] + [version])
+            self.expected = {v: f for v, f in self.expected.items() if v >= oldest}
 
     def pending(self) -> list[int]:
         """Batches requested and not yet taken, in order."""
@@ -190,11 +206,25 @@ class Producer:
         except queue.Empty:
             self._check_alive()
             return
-        if message[0] == "error":
+        if message[0] != "ok":
             self.close()
-            raise ProducerError(f"the rollout producer failed (last checkpoint: {self.last_checkpoint}):\n{message[1]}")
-        _, batch, rollout, times = message
+            self._raise_sent(message)
+        _, batch, rollout, times, checked = message
         self.ready[batch] = (rollout, times)
+        if checked is not None:
+            self.checked[batch] = checked
+
+    def _raise_sent(self, message: tuple) -> None:
+        """The worker's failure: its ``UserError`` as it was (one line, its class where its message rebuilds
+        it), anything else a ``ProducerError`` with the worker's traceback."""
+        if message[0] == "user_error":
+            _, kind, text = message
+            try:
+                error = kind(text)
+            except TypeError:  # a subclass built from other arguments (DataError)
+                error = UserError(text)
+            raise error
+        raise ProducerError(f"the rollout producer failed (last checkpoint: {self.last_checkpoint}):\n{message[1]}")
 
     def _check_alive(self) -> None:
         if not self.process.is_alive():
@@ -203,10 +233,8 @@ class Producer:
                     message = self.results.get_nowait()
                 except queue.Empty:
                     break
-                if message[0] == "error":
-                    raise ProducerError(
-                        f"the rollout producer failed (last checkpoint: {self.last_checkpoint}):\n{message[1]}"
-                    )
+                if message[0] != "ok":
+                    self._raise_sent(message)
             code = self.process.exitcode
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             raise ProducerError(
@@ -275,7 +303,7 @@ def _produce(shared, version, loaded, lock, requests, results, **settings) -> No
         torch.set_num_threads(settings["threads"])
         from posttrain.models import load_tokenizer
         from posttrain.rollout import build_engine
-        from posttrain.runtime.online import sample
+        from posttrain.runtime.sampling import sample
 
         model = copy.deepcopy(shared)
         names = settings["names"]  # the frozen rest came with the copy
@@ -301,6 +329,7 @@ def _produce(shared, version, loaded, lock, requests, results, **settings) -> No
                         for name in names:
                             own[name].copy_(source[name])
                     have = request.version
+                    checked = named_fingerprint(model, names) if settings["check"] else None
                 loaded.value = request.batch
             if synced != have:  # a vLLM server gets the version's weights (hf and lean sample from `model`)
                 engine.sync_weights(model)
@@ -310,6 +339,8 @@ def _produce(shared, version, loaded, lock, requests, results, **settings) -> No
             rollout, _ = sample(engine, model, request.prompts, settings["sampling"], request.n)
             rollout.version = torch.full((len(rollout),), have, dtype=torch.long)
             times = {"producer_idle": idle, "producer_generate": time.perf_counter() - start}
-            results.put(("ok", request.batch, rollout, times))
+            results.put(("ok", request.batch, rollout, times, checked))
+    except UserError as err:  # the user's to fix (a weight sync that did not hold): one line, not a traceback
+        results.put(("user_error", type(err), str(err)))
     except BaseException:
         results.put(("error", traceback.format_exc()))

@@ -8,6 +8,10 @@ loop (``loop.run_offline``, ``online.OnlineTrainer.train``): it installs the han
 and restores the previous ones after, however the loop ends. The loop calls ``stop_if_signalled`` after
 each step. A signal during the last step lets the run finish (``final/`` is written, exit 0).
 
+Before the first step, a pass with nothing to save (DPO's and KTO's reference log-probs: minutes on a CPU)
+runs under ``stops_at_once``: a signal there ends the run at once, saying so in one line, with the same
+exit status (the default handler ended it without a word; SIGINT printed a KeyboardInterrupt traceback).
+
 Under several processes the decision is collective (a max over processes each step), so every process
 saves the same checkpoint and stops together, whichever of them the signal reached. A child forked from
 the trainer (a reward worker) that inherits the handlers dies of the signal as it did before.
@@ -15,6 +19,7 @@ the trainer (a reward worker) that inherits the handlers dies of the signal as i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -86,6 +91,38 @@ def handles_stop_signals(loop):
             _received.clear()
 
     return wrapper
+
+
+@contextlib.contextmanager
+def stops_at_once(run_name: str, phase: str):
+    """SIGTERM / SIGINT during ``phase``, a pass before step 1 with nothing to save: one line saying so, then
+    ``TrainingInterrupted`` at once (exit 128 + the signal). Inside a loop's handlers, or outside the main
+    thread, nothing changes; a signal the process ignores stays ignored."""
+    if _active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pid = os.getpid()
+
+    def stop(signum, frame):
+        if os.getpid() != pid:  # a forked child: it dies of the signal, as before
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        name = signal.Signals(signum).name
+        message = (
+            f"[{run_name}] stopped by {name} during {phase}, before step 1: nothing was trained or saved; "
+            "run the same command again to start over"
+        )
+        if _is_main_rank():  # os.write: a signal may land inside a print
+            os.write(2, f"\n{message}\n".encode())
+        raise TrainingInterrupted(signum, None, message)
+
+    previous = {sig: signal.signal(sig, stop) for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def signalled(accelerator) -> int | None:

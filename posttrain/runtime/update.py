@@ -240,6 +240,15 @@ def std_of(total: float, total_sq: float, count: float) -> float:
     return max((total_sq - total * total / count) / (count - 1), 0.0) ** 0.5
 
 
+def corr_of(sum_x: float, sum_y: float, sum_xx: float, sum_yy: float, sum_xy: float, count: float) -> float:
+    """Pearson's r of ``count`` pairs (x, y) from their sums: (nΣxy − ΣxΣy) / sqrt((nΣx² − (Σx)²)(nΣy² − (Σy)²));
+    NaN when x or y is constant (to float rounding) or there are fewer than two pairs: no correlation to speak of."""
+    var_x, var_y = count * sum_xx - sum_x * sum_x, count * sum_yy - sum_y * sum_y
+    if count < 2 or var_x <= 1e-12 * count * sum_xx or var_y <= 1e-12 * count * sum_yy:
+        return math.nan
+    return (count * sum_xy - sum_x * sum_y) / math.sqrt(var_x * var_y)
+
+
 class StepStats:
     """The statistics of a step's updates, reduced over the processes together, in one collective, by
     ``result``: per minibatch (``add``) its updates' share-weighted loss statistics (``MinibatchUpdate.means``)

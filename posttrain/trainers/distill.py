@@ -46,6 +46,7 @@ from posttrain.core import (
 from posttrain.data import DataConfig, prompt_completions
 from posttrain.errors import UserError
 from posttrain.models import ModelConfig, load_policy, load_tokenizer, response_logits
+from posttrain.models.loading import check_device
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, score_rollout
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams, ScoringConfig, build_scorer, scored_logprobs
@@ -57,6 +58,7 @@ from posttrain.runtime.config import (
     RunConfig,
     check_choice,
     check_policy_loss,
+    python_sections,
     reject_ignored,
     validate_sections,
 )
@@ -74,6 +76,7 @@ from posttrain.runtime.update import MinibatchUpdate, Optimized, StepMetrics, St
 DISTILL_LOSSES = ("reverse_kl", "jsd")
 
 
+@python_sections  # sections and rewards given in Python resolve as YAML's do
 @dataclass
 class DistillConfig:
     """posttrain distill. ``run.batch_size`` counts responses per step (prompts × num_generations)."""
@@ -134,6 +137,7 @@ class DistillConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        self.rollout.check_sampling(self.sampling)
         if self.rollout.async_steps:
             raise ValueError(
                 "rollout.async_steps applies to grpo and ppo; distillation samples each step's batch with the current "
@@ -150,6 +154,8 @@ class DistillConfig:
         )
         for i, spec in enumerate(self.rewards):
             spec.validate(f"rewards[{i}]")
+        if self.teacher_device is not None:  # before any model loads: a missing device failed after loading
+            check_device(self.teacher_device, "teacher_device")
         check_choice("loss", self.loss, DISTILL_LOSSES)
         check_choice("loss_agg", self.loss_agg, AGGREGATION_MODES)
         if not 0 <= self.beta <= 1:

@@ -48,6 +48,8 @@ from posttrain.models import (
     sequence_logprobs,
     shared_prefix_logprobs,
 )
+from posttrain.monitor.run import offline_alerts
+from posttrain.runtime import signals
 from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -294,7 +296,8 @@ def precompute_reference(task, policy, examples: list, config, accelerator, name
         forward = partial(completion_logps, policy, average=task.average)
     store = partial(task.store_reference, forward=forward, device=accelerator.device)
     show = config.run.progress and accelerator.is_main_process
-    precompute_pass(examples, config.run.micro_batch_size, store, f"[{name}] reference log-probs", show)
+    with signals.stops_at_once(name, "the reference log-probs pass (reference=precompute)"):  # nothing to save
+        precompute_pass(examples, config.run.micro_batch_size, store, f"[{name}] reference log-probs", show)
     task.reference = None
 
 
@@ -319,4 +322,5 @@ def train(config: DPOConfig, callbacks=()) -> dict:
     if config.reference == "precompute":
         precompute_reference(task, policy, train_examples + eval_examples, config, accelerator, "dpo")
     bar_keys = ("loss", "rewards/accuracy")
+    callbacks = (*callbacks, *offline_alerts(accelerator, config.run.output_dir))  # a dead run says so
     return run_offline(task, Trainable(policy, {"policy": policy}), start, config, callbacks, bar_keys)

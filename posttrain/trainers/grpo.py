@@ -53,6 +53,7 @@ from posttrain.runtime.config import (
     RunConfig,
     check_choice,
     check_policy_loss,
+    python_sections,
     reject_ignored,
     validate_sections,
     with_presets,
@@ -81,6 +82,7 @@ REWARD_SCALES = ("group", "batch", "none")
 KL_PLACEMENTS = ("loss", "reward")
 
 
+@python_sections  # sections and rewards given in Python resolve as YAML's do
 @with_presets
 @dataclass
 class GRPOConfig:
@@ -214,6 +216,7 @@ class GRPOConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        self.rollout.check_sampling(self.sampling)
         reject_ignored(
             self,
             {
@@ -264,6 +267,14 @@ class GRPOConfig:
             raise ValueError(
                 "policy_loss=gspo clips one ratio per response by the response's one advantage; reinforce++ gives "
                 "each token its own: use policy_loss=gspo-token (GSPO's ratio with per-token advantages)"
+            )
+        if self.policy_loss == "gspo" and self.rollout.importance_sampling in ("token", "token_mask"):
+            by = " (preset=gspo sets it)" if self.preset == "gspo" else ""
+            raise ValueError(
+                f"policy_loss=gspo{by} with rollout.importance_sampling={self.rollout.importance_sampling}: GSPO gives "
+                "every token of a response the gradient of its one ratio, so a token's weight is averaged over the "
+                "response and a dropped token still trains; use policy_loss=gspo-token (each token its own gradient) "
+                "or rollout.importance_sampling=sequence|sequence_mask"
             )
 
     @property
@@ -519,21 +530,21 @@ class GRPOTrainer(OnlineTrainer):
         return mask
 
     def reward_metrics(self, scores: torch.Tensor, applicable: torch.Tensor) -> dict[str, float]:
-        """β and the forward passes run so far; added to ``step_metrics``: the mean of the scored rows (NaN,
-        not 0, when none was), the applicable share and the std of the scores, over all processes."""
-        valid_scores, values = scores[applicable].double(), scores.double()
+        """β and the forward passes run so far; added to ``step_metrics``: the mean and std of the scored rows
+        (mean NaN, not 0, when none was; the group-mean fillers of unscored rows count in neither) and the
+        applicable share, over all processes."""
+        valid_scores = scores[applicable].double()
         self.step_metrics.add(
             "reward",
             lambda t: {
                 "reward/mean": ratio(t["scored_sum"], t["scored"]),
                 "reward/applicable_share": t["scored"] / t["rows"],
-                "reward/std": std_of(t["sum"], t["sum_sq"], t["rows"]),
+                "reward/std": std_of(t["scored_sum"], t["scored_sum_sq"], t["scored"]),
             },
             scored=len(valid_scores),
             scored_sum=valid_scores.sum(),
-            rows=len(values),
-            sum=values.sum(),
-            sum_sq=values.square().sum(),
+            scored_sum_sq=valid_scores.square().sum(),
+            rows=len(scores),
         )
         return {"kl_coef": self.config.kl_coef, **{f"passes/{k}": v for k, v in self.passes.items()}}
 
@@ -610,13 +621,15 @@ class GRPOTrainer(OnlineTrainer):
 
     def corrected_advantages(self, batch: GRPOBatch, s: slice, old: torch.Tensor, advantages: torch.Tensor):
         """The advantages of rows ``s`` times the importance weights π_old/π_behaviour, with π_old the
-        update's own forward (``OffPolicyTally``); the KL to the reference tallied for the metrics."""
+        update's own forward (``OffPolicyTally``); the KL to the reference tallied for the metrics. As the
+        separate pass: the gap and the weights over every sampled token, the KL over the tokens that train."""
         cfg = self.config
-        valid = batch.rollout.action_mask[s].bool().to(old.device)  # as the separate pass: every sampled token
+        valid = batch.rollout.action_mask[s].bool().to(old.device)
         behaviour = batch.rollout.logprobs[s].to(old.device)
         weights = self.tally.weights(old, behaviour, valid, cfg.rollout)
         if batch.ref_logprobs is not None:
-            self.tally.kl(kl_penalty(old, batch.ref_logprobs[s], cfg.kl_estimator), valid)
+            kl = kl_penalty(old, batch.ref_logprobs[s].to(old.device), cfg.kl_estimator)
+            self.tally.kl(kl, batch.mask[s].to(old.device))
         if weights is None:
             return advantages
         tokens = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(weights)

@@ -23,6 +23,7 @@ import torch
 from posttrain.core import kto_loss, kto_reference_point
 from posttrain.data import DataConfig, SequenceBatch, UnpairedExample, collate, load_unpaired
 from posttrain.models import ModelConfig, Reference, load_policy
+from posttrain.monitor.run import offline_alerts
 from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -243,4 +244,5 @@ def train(config: KTOConfig, callbacks=()) -> dict:
     task.reference = offline_reference(config, policy, accelerator)
     if config.reference == "precompute":
         precompute_reference(task, policy, train_examples + eval_examples, config, accelerator, "kto")
+    callbacks = (*callbacks, *offline_alerts(accelerator, config.run.output_dir))  # a dead run says so
     return run_offline(task, Trainable(policy, {"policy": policy}), start, config, callbacks, ("loss", "kl"))

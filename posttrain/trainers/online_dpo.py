@@ -41,6 +41,7 @@ from posttrain.runtime.config import (
     OptimConfig,
     RunConfig,
     check_choice,
+    python_sections,
     reject_ignored,
     validate_sections,
 )
@@ -60,6 +61,7 @@ PAIRINGS = ("best_worst", "all")
 REFERENCE_MODES = ("auto", "copy", "adapter")
 
 
+@python_sections  # sections and rewards given in Python resolve as YAML's do
 @dataclass
 class OnlineDPOConfig:
     """posttrain online-dpo. ``run.batch_size`` counts responses per step (prompts × num_generations);
@@ -110,6 +112,7 @@ class OnlineDPOConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        self.rollout.check_sampling(self.sampling)
         if self.rollout.async_steps:
             raise ValueError(
                 "rollout.async_steps applies to grpo and ppo; online DPO samples each step's batch with the current "

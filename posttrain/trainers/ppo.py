@@ -53,6 +53,7 @@ from posttrain.runtime.config import (
     RunConfig,
     check_choice,
     check_policy_loss,
+    python_sections,
     reject_ignored,
     validate_sections,
 )
@@ -69,13 +70,14 @@ from posttrain.runtime.online import (
     reference_logprobs,
 )
 from posttrain.runtime.runlock import holds_run_dir
-from posttrain.runtime.update import MinibatchUpdate, StepStats, micro_slices, std_of
+from posttrain.runtime.update import MinibatchUpdate, StepStats, corr_of, micro_slices, std_of
 from posttrain.trainers.critic import PPOBatch, build_critic
 
 CRITIC_MODES = ("reward", "policy", "shared")
 PPO_POLICY_LOSSES = ("ppo", "gspo-token", "cispo")
 
 
+@python_sections  # sections and rewards given in Python resolve as YAML's do
 @dataclass
 class PPOConfig:
     """posttrain ppo. ``run.batch_size`` counts responses per step (prompts × num_generations)."""
@@ -165,6 +167,7 @@ class PPOConfig:
 
     def validate(self) -> None:
         validate_sections(self)
+        self.rollout.check_sampling(self.sampling)
         reject_ignored(
             self,
             {
@@ -330,19 +333,24 @@ class PPOTrainer(OnlineTrainer):
         return scores, metrics
 
     def reward_metrics(self, scores, token_rewards, mask) -> None:
-        """Mean and std of the sequence scores and mean of the summed token rewards, over all processes, added
-        to ``step_metrics``."""
-        values = scores.double()
+        """Mean and std of the sequence scores, their correlation with the response lengths across the batch
+        (``score/length_corr``, NaN when every response is as long: health alert 15 reads it) and mean of the
+        summed token rewards, over all processes, added to ``step_metrics``."""
+        values, lengths = scores.double(), mask.sum(1).double()  # lengths: the tokens each response sampled
         self.step_metrics.add(
             "score",
             lambda t: {
                 "score/mean": t["sum"] / t["rows"],
                 "score/std": std_of(t["sum"], t["sum_sq"], t["rows"]),
+                "score/length_corr": corr_of(t["sum"], t["len"], t["sum_sq"], t["len_sq"], t["sum_len"], t["rows"]),
                 "reward/mean": t["rewards"] / t["rows"],
             },
             rows=len(values),
             sum=values.sum(),
             sum_sq=values.square().sum(),
+            len=lengths.sum(),
+            len_sq=lengths.square().sum(),
+            sum_len=(values * lengths).sum(),
             rewards=torch.where(mask.bool(), token_rewards, 0.0).sum(),
         )
 

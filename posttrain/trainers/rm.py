@@ -44,7 +44,10 @@ from posttrain.models import (
     load_tokenizer,
     peft_wrapping,
     sequence_scores,
+    unwrap_model,
 )
+from posttrain.monitor.alerts import RM_RULES, AlertConfig, HealthMonitor, describe_length_probe, length_preference
+from posttrain.monitor.run import offline_alerts
 from posttrain.runtime.config import (
     PLACED_BY_ACCELERATE,
     OptimConfig,
@@ -92,6 +95,9 @@ class RMConfig:
     attention mask exactly (sdpa or eager attention, no sliding window; otherwise the reason is
     printed) and the packed micro-batch costs fewer FLOPs; true: always (an error if the model
     cannot); false: never. Scores equal the unpacked ones up to float rounding."""
+    length_probe: int = 64
+    """After training, score this many held-out best responses (training ones when none are held out) once and
+    said twice (``length_probe``): a warning when the longer one scores higher in more than half the pairs; 0 = off."""
 
     def validate(self) -> None:
         validate_sections(self)
@@ -112,6 +118,8 @@ class RMConfig:
             )
         if self.normalize_samples < 2:
             raise ValueError(f"normalize_samples must be >= 2, got {self.normalize_samples}")
+        if self.length_probe < 0:
+            raise ValueError(f"length_probe must be >= 0 (0 = off), got {self.length_probe}")
 
 
 @dataclass
@@ -228,11 +236,27 @@ def train(config: RMConfig, callbacks=()) -> dict:
     scorer = RewardScorer(model)  # trained through its forward: DDP synchronises its gradients
     shared = resolve_shared_prefix(config.shared_prefix, [model], lambda line: accelerator.print(f"[rm] {line}"))
     task = RMTask(tokenizer.pad_token_id, config.margin, config.center_coef, shared)
+    callbacks = (*callbacks, *offline_alerts(accelerator, config.run.output_dir))  # a dead run says so
     result = run_offline(task, Trainable(scorer, {"reward": scorer}), start, config, callbacks, ("loss", "accuracy"))
     if config.normalize_policy:
         result["normalization"] = normalize_reward(model, tokenizer, config, accelerator.device)
         save_final(accelerator, config.run.output_dir, {"reward": model}, tokenizer)
+    if config.length_probe:  # on the scores PPO reads (normalised, with normalize_policy)
+        result["final_metrics"].update(_probe_length(config, start, task, scorer, result["steps"]))
     return result
+
+
+def _probe_length(config: RMConfig, start, task: RMTask, scorer, step: int) -> dict[str, float]:
+    """``length_probe`` on the held-out rankings' best responses (the training ones when none are held out),
+    every process alike (a sharded model's forwards are collective); reported once."""
+    where = "held-out" if start.eval_examples else "training"
+    stop_ids = set(start.tokenizer.all_special_ids)
+    examples = start.eval_examples or start.train_examples
+    room = probe_room(config.data.max_length, scorer.model)
+    pairs = length_probe_pairs(examples, stop_ids, config.length_probe, room)
+    metrics = length_probe(task, scorer, pairs, config.run.micro_batch_size, start.accelerator.device)
+    report_length_probe(start.accelerator, config.run.output_dir, step, metrics, where)
+    return metrics
 
 
 def normalize_reward(model, tokenizer, config: RMConfig, device) -> dict:
@@ -262,6 +286,79 @@ def normalize_reward(model, tokenizer, config: RMConfig, device) -> dict:
     return stats
 
 
+# --------------------------------------------------------------------------------------------------
+# the length probe: the same content, twice as long
+# --------------------------------------------------------------------------------------------------
+
+
+def length_probe_pairs(examples: list[RankingExample], stop_ids: set[int], count: int, max_length: int | None):
+    """The length probe's pairs, rankings [best response said twice, said once] of up to ``count`` rankings.
+
+    A response ends in the tokens generation stops at (EOS, a template's end of turn: ``stop_ids``); its
+    content, the tokens before them, is repeated before them. The longer answer says the same, with no new
+    information, in twice the tokens: no other model has to write it (a paraphrase would) and no filler text
+    ties it to one tokenizer or language. Left out: a response with no content, and a pair whose longer
+    answer and prompt would pass ``max_length`` tokens (``probe_room``: within the model's positions)."""
+    pairs = []
+    for example in examples:
+        if len(pairs) == count:
+            break
+        best = example.response_ids[0]
+        end = len(best)
+        while end and best[end - 1] in stop_ids:
+            end -= 1
+        twice = best[:end] * 2 + best[end:]
+        if end and (max_length is None or len(example.prompt_ids) + len(twice) <= max_length):
+            pairs.append(RankingExample(example.prompt_ids, [twice, best]))
+    return pairs
+
+
+def probe_room(max_length: int | None, model) -> int | None:
+    """The most tokens a length-probe pair may hold: ``data.max_length``, capped at the model's positions
+    (``max_position_embeddings``): the answer said twice is longer than any row read, and max_length may be null."""
+    context = getattr(unwrap_model(model).config.get_text_config(), "max_position_embeddings", None)
+    limits = [n for n in (max_length, context) if n is not None]
+    return min(limits) if limits else None
+
+
+def length_probe(task: RMTask, scorer, pairs: list[RankingExample], micro: int, device) -> dict[str, float]:
+    """What the reward model pays for length alone, on ``length_probe_pairs``' pairs (empty without one):
+    ``length_probe/longer_preferred``, the share of pairs whose answer said twice scores above the same answer
+    said once (a tie is not above); ``length_probe/score_per_token``, the mean of (r(twice) − r(once)) / the
+    extra tokens; ``length_probe/pairs``. Saying an answer twice adds nothing: a length-neutral reward model
+    prefers neither, a sound one the answer said once; one that prefers the longer in most pairs pays for
+    length, and PPO against it runs its responses to the length limit (health alert 15)."""
+    if not pairs:
+        return {}
+    scores = []
+    scorer.eval()
+    with torch.no_grad():
+        for start in range(0, len(pairs), micro):
+            batch = task.collate(pairs[start : start + micro]).to(device)
+            scores += task.scores(scorer, batch).float().cpu().tolist()
+    twice, once = scores[0::2], scores[1::2]
+    extra = [len(p.response_ids[0]) - len(p.response_ids[1]) for p in pairs]
+    return {
+        "length_probe/longer_preferred": sum(t > o for t, o in zip(twice, once, strict=True)) / len(pairs),
+        "length_probe/score_per_token": sum((t - o) / n for t, o, n in zip(twice, once, extra, strict=True))
+        / len(pairs),
+        "length_probe/pairs": len(pairs),
+    }
+
+
+def report_length_probe(accelerator, output_dir, step: int, metrics: dict[str, float], where: str) -> None:
+    """The length probe's one line, on the main process: a warning when the reward model prefers the longer
+    answer (health alert 16, also written to ``alerts.jsonl``, where ``posttrain report`` shows it)."""
+    if not metrics or not accelerator.is_main_process:
+        return
+    monitor = HealthMonitor(AlertConfig(), output_dir, "loss", "loss", echo=lambda _: None, rules=RM_RULES)
+    alerts = monitor.check(step, metrics)
+    if alerts:
+        print(f"[rm] warning ({where} answers, alert 16): {alerts[0]['seen']}; RL against it will grow the length")
+    else:
+        print(f"[rm] length probe ({where} answers): {describe_length_probe(metrics)}")
+
+
 @dataclass
 class RMEvalConfig:
     """``posttrain eval`` of a reward model: its scores on held-out pairs or rankings."""
@@ -281,12 +378,16 @@ class RMEvalConfig:
     output_dir: str | None = None
     """Folder for eval_summary.json and eval_scores.jsonl (each ranking's responses, scores and lengths in
     tokens, EOS included); null = print only."""
+    length_probe: int = 64
+    """Score this many best responses once and said twice (``length_probe``, as ``posttrain rm`` does); 0 = off."""
 
     def validate(self) -> None:
         validate_sections(self)
         check_choice("data_format", self.data_format, DATA_FORMATS)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.length_probe < 0:
+            raise ValueError(f"length_probe must be >= 0 (0 = off), got {self.length_probe}")
         if self.center_coef < 0:
             raise ValueError(f"center_coef must be >= 0, got {self.center_coef}")
 
@@ -368,6 +469,11 @@ def evaluate(config: RMEvalConfig, log=print) -> dict:
     for example in examples:
         starts.append(starts[-1] + len(example.response_ids))
     metrics.update(_length_bias(examples, starts, scores, lengths))
+    room = probe_room(config.data.max_length, model)
+    pairs = length_probe_pairs(examples, set(tokenizer.all_special_ids), config.length_probe, room)
+    metrics.update({f"eval/{k}": v for k, v in length_probe(task, scorer, pairs, config.batch_size, device).items()})
+    if length_preference(metrics):
+        log(f"[eval] warning (alert 16): {length_preference(metrics)}")
     if config.output_dir:
         out = Path(config.output_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -79,20 +79,15 @@ def train(config: SFTConfig, callbacks=()) -> dict:
 
 def collapse_alerts(accelerator, config: SFTConfig, policy) -> list:
     """On the main process, a callback raising the SFT alerts (``monitor.alerts.SFT_RULES``) after every
-    step: a zero gradient norm, and a loss stuck at ln V (the model collapsed to the uniform distribution,
-    as at optim.lr=1e6). Printed above the progress bar and written to ``alerts.jsonl``; the run goes on."""
-    if not accelerator.is_main_process:
-        return []
-    from tqdm.auto import tqdm
-
-    from posttrain.monitor.alerts import SFT_RULES, AlertConfig, HealthMonitor
+    step: a zero gradient norm or a loss that does not move (every trainer's), and a loss stuck at ln V (the
+    model collapsed to the uniform distribution, as at optim.lr=1e6). Printed above the progress bar and
+    written to ``alerts.jsonl``; the run goes on."""
+    from posttrain.monitor.alerts import SFT_RULES
+    from posttrain.monitor.run import offline_alerts
 
     vocab = getattr(policy.config, "vocab_size", None)
     context = {"log_vocab": math.log(vocab)} if vocab else {}
-    monitor = HealthMonitor(
-        AlertConfig(), config.run.output_dir, "loss", "loss", echo=tqdm.write, rules=SFT_RULES, context=context
-    )
-    return [lambda step, metrics: monitor.check(step, metrics)]
+    return offline_alerts(accelerator, config.run.output_dir, SFT_RULES, context)
 
 
 def _on_cpu(model_config: ModelConfig) -> ModelConfig:

@@ -32,3 +32,31 @@ def test_a_demo_stopped_after_its_first_stage_leaves_that_stage_and_showed_its_s
     assert "grpo" not in summary and summary["seconds"] > 0
     assert (tmp_path / "demo" / "report.html").is_file() and summary["report"] == str(tmp_path / "demo" / "report.html")
     assert not (tmp_path / "demo" / "summary.json.partial").exists()
+
+
+def test_the_demo_summary_is_one_line_per_row_whatever_the_samples_hold(tmp_path, capsys):
+    """Issue 34: a PPO sample holding a newline broke the summary table (the rest of the row on a line of its
+    own). Samples are shown quoted and escaped."""
+    from posttrain.demo import _print_summary
+
+    accuracies = {"sampled": 0.5, "greedy": 0.5}
+    results = {
+        "sft": accuracies,
+        "grpo": {**accuracies, "reward_first5": 0.1, "reward_last5": 0.9},
+        "dpo": {**accuracies, "eval_reward_accuracy": 0.7},
+        "rm": {"eval_pairwise_accuracy": 0.8},
+        "ppo": {
+            "score_first5": -1.0,
+            "score_last5": 2.0,
+            "kl_per_sequence_last5": 0.5,
+            "vowel_share_after": 0.6,
+            "samples_after": ["aei\nou", "tab\there", "plain", 'a "quote"'],
+        },
+        "alerts": {"grpo": 0, "ppo": 1},
+        "seconds": 12.3,
+        "report": str(tmp_path / "report.html"),
+    }
+    _print_summary(results, tmp_path)
+    table = capsys.readouterr().out.split("posttrain demo: results\n")[1].split("\n\n")[0].splitlines()
+    assert len(table) == 12 and all(line.startswith("  ") for line in table), table
+    assert r'"aei\nou", "tab\there", "plain", "a \"quote\"" (60%)' in table[-3]

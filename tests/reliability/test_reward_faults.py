@@ -230,3 +230,19 @@ def test_a_micro_batch_of_unscored_rows_leaves_the_first_minibatch_ratio_at_one(
     for key in ("policy/first_minibatch_ratio_min", "policy/first_minibatch_ratio_max", "policy/ratio_min"):
         assert abs(record[key] - 1) < 1e-5, (key, record[key])
     assert not [a for a in read_alerts(config.run.output_dir) if a["id"] in (4, 11)]
+
+
+def test_on_error_skip_stops_early_when_failures_are_overwhelming(tmp_path):
+    """Issue 34: ``max_failure_rate`` was judged only from 20 samples on, so a first step of 16 samples with
+    14 failing went on. Before 20 samples the failures are measured against 20: more than 0.1 × 20 = 2 stop
+    the run; 2 of 16 do not (a lone early failure is no verdict)."""
+    (tmp_path / "flaky.py").write_text(
+        "def flaky(prompts, completions, **columns):\n"
+        "    if any(c == 'x' for c in completions):\n        raise ValueError('cannot parse')\n"
+        "    return [1.0] * len(completions)\n"
+    )
+    spec = RewardSpec(f"{tmp_path / 'flaky.py'}:flaky", on_error="skip", max_failure_rate=0.1, isolation="inline")
+    with pytest.raises(RewardError, match=r"14 failures and 0 timeouts .* in 16 samples, over max_failure_rate=0.1"):
+        RewardComposer.from_specs([spec])(["p"] * 16, ["x"] * 14 + ["a"] * 2, {})
+    out = RewardComposer.from_specs([spec])(["p"] * 16, ["x"] * 2 + ["a"] * 14, {})
+    assert out.components["flaky"] == [None] * 2 + [1.0] * 14

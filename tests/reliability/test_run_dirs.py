@@ -183,3 +183,64 @@ def test_a_resume_that_changes_the_length_says_the_schedule_changes(tiny_dir, tm
     expected = lr * (1 - 4 / 6) if scheduler == "linear" else lr
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert records[4]["lr"] == pytest.approx(expected)
+
+
+def test_a_run_that_failed_before_its_first_step_leaves_a_folder_the_fixed_rerun_takes(tiny_dir, tmp_path, capsys):
+    """Issue 34 (a new user's first hour): a GRPO run whose reward function raised at step 1 left config.yaml,
+    step 0's held-out evaluation, TensorBoard events and eval_errors.log, and the rerun with the function
+    fixed was refused ("already holds a run"). A folder where no step finished counts as empty: the rerun
+    clears it and starts at step 0, without run.overwrite. A folder where a step finished is still refused."""
+    (tmp_path / "rw.py").write_text(
+        "def broken(prompts, completions, **columns):\n    raise RuntimeError('a bug in my reward')\n\n"
+        "def fixed(prompts, completions, **columns):\n    return [float(len(c)) for c in completions]\n"
+    )
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(5)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+
+    def grpo(function, *more):
+        argv = ["grpo", f"model.path={tiny_dir / 'policy'}", f"data.path={tmp_path / 'p.jsonl'}"]
+        argv += [f"rewards=[{{function: '{tmp_path / 'rw.py'}:{function}', isolation: inline}}]"]
+        argv += ["num_generations=2", "run.batch_size=4", "sampling.max_new_tokens=3", "data.chat_template=never"]
+        return main([*argv, "data.eval_fraction=0.2", "run.progress=false", f"run.output_dir={out}", *more])
+
+    with pytest.raises((RuntimeError, SystemExit)):  # the reward's error ends the run at step 1
+        grpo("broken", "run.max_steps=2")
+    capsys.readouterr()
+    left = sorted(p.name for p in out.iterdir())
+    assert "config.yaml" in left and "metrics.jsonl" in left, left  # what made the rerun refuse it
+    assert [r["step"] for r in read_metrics(out)] == [0]
+    assert grpo("fixed", "run.max_steps=2") == 0
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]  # step 0 once: the failed run's records went
+    assert not (out / "eval_errors.log").exists()
+    assert "fixed" in (out / "config.yaml").read_text()
+    # a folder where a step finished holds a run: still refused without run.overwrite or resume_from
+    with pytest.raises(SystemExit) as refused:
+        grpo("fixed", "run.max_steps=3")
+    assert refused.value.code == 2 and "already holds a run" in capsys.readouterr().err
+
+
+def test_a_folder_of_the_users_own_files_is_never_taken_for_a_run_that_never_stepped(tmp_path):
+    """Review of issue 34's mend above: a folder counts as a run that never stepped only when it holds nothing
+    but what a run writes at start, with the config.yaml that run wrote for this folder. A user's own
+    config.yaml (naming this folder as run.output_dir), their data beside it, or a config written for another
+    folder keep the fresh run's refusal: clearing them would delete the user's files."""
+    from posttrain.runtime.inputs import never_stepped
+
+    out = tmp_path / "exp"
+    out.mkdir()
+    (out / "config.yaml").write_text(f"model: {{path: m}}\nrun: {{output_dir: {out}}}\n")
+    assert not never_stepped(out)  # a hand-written config alone: no run opened its records here
+    (out / "metrics.jsonl").write_text('{"step": 0, "eval/greedy/score": 0.5}\n')
+    (out / "tensorboard").mkdir()
+    assert never_stepped(out)  # what a run that failed at step 1 leaves
+    (out / "train.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n')
+    assert not never_stepped(out)  # a file of the user's beside it
+    (out / "train.jsonl").unlink()
+    (out / "config.yaml").write_text(f"run: {{output_dir: {tmp_path / 'elsewhere'}}}\n")
+    assert not never_stepped(out)  # a config written for another folder
+    (out / "config.yaml").write_text("- not: a config\n")
+    assert not never_stepped(out)
+    (out / "config.yaml").write_text(f"run: {{output_dir: {out}}}\n")
+    (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    assert not never_stepped(out)  # a step finished

@@ -1,16 +1,20 @@
 """SFT that collapses to a uniform model (loss = ln V, zero gradient) says so (issue 24, item 18): at
-optim.lr=1e6 it exited 0 and saved final/ without a word."""
+optim.lr=1e6 it exited 0 and saved final/ without a word. The collapsed model is made deterministically (a copy
+whose final norm and output weights are 0: every logit 0, loss ln V, every gradient exactly 0), since lr=1e6
+collapses the tiny model on some CPUs only (issue 34)."""
 
 from __future__ import annotations
 
 import json
 import math
 
+from helpers import dead_copy
+
 from posttrain.monitor.alerts import SFT_RULES, AlertConfig, HealthMonitor, read_alerts
 from posttrain.runtime.metrics import read_metrics
 
 
-def _sft(tiny_dir, tmp_path, name: str, lr: str):
+def _sft(tiny_dir, tmp_path, name: str, lr: str, policy=None):
     from posttrain.runtime.config import load_config
     from posttrain.trainers import sft
 
@@ -21,7 +25,7 @@ def _sft(tiny_dir, tmp_path, name: str, lr: str):
         sft.SFTConfig,
         None,
         [
-            f"model.path={tiny_dir / 'policy'}",
+            f"model.path={policy or tiny_dir / 'policy'}",
             f"data.path={data}",
             "data.chat_template=never",
             f"run.output_dir={tmp_path / name}",
@@ -36,8 +40,8 @@ def _sft(tiny_dir, tmp_path, name: str, lr: str):
     return tmp_path / name
 
 
-def test_sft_collapsed_by_a_huge_learning_rate_raises_alerts(tiny_dir, tmp_path, capsys):
-    run = _sft(tiny_dir, tmp_path, "collapsed", "1e6")
+def test_sft_of_a_collapsed_model_raises_alerts(tiny_dir, tmp_path, capsys):
+    run = _sft(tiny_dir, tmp_path, "collapsed", "3e-3", dead_copy(tiny_dir, tmp_path / "dead_policy"))
     records = read_metrics(run)
     alerts = read_alerts(run)
     names = {a["name"] for a in alerts}
@@ -53,8 +57,9 @@ def test_healthy_sft_raises_no_collapse_alert(tiny_dir, tmp_path):
 
 
 def test_collapse_rules_on_their_patterns():
-    """12: a zero gradient with a loss above 0; 13: three losses in a row at ln V, not moving. A loss near
-    ln V that still falls (a freshly initialised model) and a zero gradient at loss 0 raise nothing."""
+    """12: a zero gradient with a loss above 0, three updates in a row (issue 34: one zero step is no dead
+    run); 13: three losses in a row at ln V, not moving. A loss near ln V that still falls (a freshly
+    initialised model) and a zero gradient at loss 0 raise nothing."""
     log_vocab = math.log(1000)
 
     def ids(records):
@@ -63,8 +68,8 @@ def test_collapse_rules_on_their_patterns():
         )
         return [[a["id"] for a in monitor.check(step, r)] for step, r in enumerate(records, 1)]
 
-    assert ids([{"loss": 2.0, "grad_norm": 0.0}]) == [[12]]
-    assert ids([{"loss": 0.0, "grad_norm": 0.0}]) == [[]]
+    assert ids([{"loss": 2.0 + d, "grad_norm": 0.0} for d in (0.0, 0.1, 0.2)]) == [[], [], [12]]
+    assert ids([{"loss": 0.0, "grad_norm": 0.0}] * 3) == [[], [], []]
     stuck = [{"loss": log_vocab + d, "grad_norm": 0.5} for d in (3e-4, 1e-4, 2e-4)]
     assert ids(stuck) == [[], [], [13]]
     falling = [{"loss": log_vocab - d, "grad_norm": 0.5} for d in (0.0, 0.01, 0.03)]
