@@ -147,3 +147,27 @@ def dead_copy(tiny_dir, dst):
         weights[key] = torch.zeros_like(weights[key])
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+def sft_args(tiny_dir, tmp_path, *overrides, rows=32) -> list[str]:
+    """``key=value`` arguments of a short SFT run of the tiny policy on ``rows`` arithmetic rows (written once to
+    ``tmp_path``) into ``tmp_path / "run"``, ``overrides`` last."""
+    import json
+
+    from posttrain.data.synthetic import arithmetic_sft
+
+    data = tmp_path / f"sft{rows}.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_sft(rows, seed=0)))
+    return [
+        f"model.path={tiny_dir / 'policy'}",
+        f"data.path={data}",
+        f"run.output_dir={tmp_path / 'run'}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "data.chat_template=never",
+        "optim.lr=1e-3",
+        "run.batch_size=8",
+        "run.micro_batch_size=8",
+        *overrides,
+    ]

@@ -9,12 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from helpers import crash_at
+from helpers import crash_at, sft_args
 
 from posttrain.cli import main
 from posttrain.data import DataError, load_sft
 from posttrain.data.datasets import DataConfig
-from posttrain.data.synthetic import arithmetic_sft
 from posttrain.errors import UserError
 from posttrain.rewards import RewardComposer, RewardError, RewardSpec
 from posttrain.runtime import checkpoint
@@ -42,22 +41,7 @@ def _main(capsys, *args) -> tuple[int, str]:
 
 
 def _sft_args(tiny_dir, tmp_path, *overrides, rows=32):
-    data = tmp_path / f"sft{rows}.jsonl"
-    if not data.exists():
-        _jsonl(data, arithmetic_sft(rows, seed=0))
-    return [
-        f"model.path={tiny_dir / 'policy'}",
-        f"data.path={data}",
-        f"run.output_dir={tmp_path / 'run'}",
-        "run.progress=false",
-        "run.report_to=[jsonl]",
-        "data.chat_template=never",
-        "optim.lr=1e-3",
-        "run.batch_size=8",
-        "run.micro_batch_size=8",
-        "run.save_every=2",
-        *overrides,
-    ]
+    return sft_args(tiny_dir, tmp_path, "run.save_every=2", *overrides, rows=rows)
 
 
 def _one_line(status: int, stderr: str, command: str, message: str) -> None:

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import sft_args as _sft_args
 
 from posttrain.cli import main
-from posttrain.data.synthetic import arithmetic_sft
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,24 +42,6 @@ def _one_line(status: int, stderr: str, command: str, message: str) -> None:
     assert len(lines) == 1, stderr[-3000:]
     assert lines[0].startswith(f"posttrain {command}: error: "), lines[0]
     assert message in lines[0], lines[0]
-
-
-def _sft_args(tiny_dir, tmp_path, *overrides, rows=32):
-    data = tmp_path / f"sft{rows}.jsonl"
-    if not data.exists():
-        _jsonl(data, arithmetic_sft(rows, seed=0))
-    return [
-        f"model.path={tiny_dir / 'policy'}",
-        f"data.path={data}",
-        f"run.output_dir={tmp_path / 'run'}",
-        "run.progress=false",
-        "run.report_to=[jsonl]",
-        "data.chat_template=never",
-        "optim.lr=1e-3",
-        "run.batch_size=8",
-        "run.micro_batch_size=8",
-        *overrides,
-    ]
 
 
 # -- overrides on both sides of a flag ----------------------------------------------------------------------
