@@ -171,3 +171,32 @@ def sft_args(tiny_dir, tmp_path, *overrides, rows=32) -> list[str]:
         "run.micro_batch_size=8",
         *overrides,
     ]
+
+
+def one_line(status: int, stderr: str, command: str, message: str) -> None:
+    """Exit 2 and exactly one line on stderr, ``posttrain <command>: error: ...`` holding ``message``."""
+    assert status == 2, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith(f"posttrain {command}: error: "), lines[0]
+    assert message in lines[0], lines[0]
+
+
+def signal_when(proc, ready, what: str, signum: int, wait: float = 240, poll: float = 0.1) -> tuple[str, str]:
+    """Send ``signum`` to the subprocess ``proc`` once ``ready()`` holds (``what`` names it if it never does
+    within ``wait`` seconds, or the process ends first); its (stdout, stderr). The process is killed if the
+    test fails on the way."""
+    import time
+
+    try:
+        deadline = time.monotonic() + wait
+        while not ready():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"{what} in {wait:g} s"
+            time.sleep(poll)
+        proc.send_signal(signum)
+        return proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

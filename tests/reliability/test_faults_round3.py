@@ -11,15 +11,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import sft_args, signal_when
 
 from posttrain.core import group_advantages, rloo_advantages
 from posttrain.core.advantages import NonFiniteGroupError
-from posttrain.data.synthetic import arithmetic_sft
 from posttrain.errors import UserError
 from posttrain.rewards import RewardError
 from posttrain.runtime import checkpoint
@@ -30,26 +29,8 @@ from posttrain.trainers.sft import SFTConfig
 from posttrain.trainers.sft import train as train_sft
 
 
-def _sft_overrides(tiny_dir, tmp_path, *overrides) -> list[str]:
-    data = tmp_path / "sft.jsonl"
-    if not data.exists():
-        data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_sft(32, seed=0)))
-    base = [
-        f"model.path={tiny_dir / 'policy'}",
-        f"data.path={data}",
-        f"run.output_dir={tmp_path / 'run'}",
-        "run.progress=false",
-        "run.report_to=[jsonl]",
-        "data.chat_template=never",
-        "optim.lr=1e-3",
-        "run.batch_size=8",
-        "run.micro_batch_size=8",
-    ]
-    return base + list(overrides)
-
-
 def _sft(tiny_dir, tmp_path, *overrides):
-    return load_config(SFTConfig, None, _sft_overrides(tiny_dir, tmp_path, *overrides))
+    return load_config(SFTConfig, None, sft_args(tiny_dir, tmp_path, *overrides))
 
 
 def _posttrain() -> list[str]:
@@ -239,19 +220,13 @@ def test_sigterm_saves_a_checkpoint_says_where_and_exits_143_and_latest_resumes_
     checkpoint and no message, and ``resume_from=latest`` then found nothing. A real ``posttrain sft``
     process, signalled by the test once it has logged two steps."""
     run = tmp_path / "run"
-    args = _sft_overrides(tiny_dir, tmp_path, "run.max_steps=100000", "optim.scheduler=constant")
+    args = sft_args(tiny_dir, tmp_path, "run.max_steps=100000", "optim.scheduler=constant")
     proc = subprocess.Popen([*_posttrain(), "sft", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not (run / "metrics.jsonl").is_file() or len((run / "metrics.jsonl").read_text().splitlines()) < 2:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the run logged no two steps in 240 s"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    def two_steps():
+        return (run / "metrics.jsonl").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2
+
+    out, err = signal_when(proc, two_steps, "the run logged no two steps", signal.SIGTERM, poll=0.2)
     assert proc.returncode == 143, (out, err)
     (step,) = _steps(run)  # run.save_every is null: the signal's checkpoint is the only one
     where = run / "checkpoints" / f"step-{step:06d}"
@@ -318,7 +293,7 @@ def test_a_second_signal_exits_at_once_without_saving(tiny_dir, tmp_path):
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(30)  # never reached
 
-        train(load_config(SFTConfig, None, {_sft_overrides(tiny_dir, tmp_path, "run.max_steps=10")!r}), [twice])
+        train(load_config(SFTConfig, None, {sft_args(tiny_dir, tmp_path, "run.max_steps=10")!r}), [twice])
         """
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -351,7 +326,7 @@ def test_a_second_run_on_a_folder_in_use_stops_at_start_naming_the_first(tiny_di
         ):
             train_sft(_sft(tiny_dir, tmp_path, "run.max_steps=1"))
         cli = subprocess.run(
-            [*_posttrain(), "sft", *_sft_overrides(tiny_dir, tmp_path, "run.max_steps=1")],
+            [*_posttrain(), "sft", *sft_args(tiny_dir, tmp_path, "run.max_steps=1")],
             capture_output=True,
             text=True,
         )

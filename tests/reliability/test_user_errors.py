@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import crash_at, sft_args
+from helpers import crash_at, one_line, sft_args
 
 from posttrain.cli import main
 from posttrain.data import DataError, load_sft
@@ -44,33 +44,23 @@ def _sft_args(tiny_dir, tmp_path, *overrides, rows=32):
     return sft_args(tiny_dir, tmp_path, "run.save_every=2", *overrides, rows=rows)
 
 
-def _one_line(status: int, stderr: str, command: str, message: str) -> None:
-    """Exit 2 and exactly one line on stderr, ``posttrain <command>: error: ...`` holding ``message``."""
-    assert status == 2, stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1, stderr[-3000:]
-    assert lines[0].startswith(f"posttrain {command}: error: "), lines[0]
-    assert message in lines[0], lines[0]
-
-
 # -- item 6: late user errors are one line ---------------------------------------------------------------
 
 
-def test_fewer_rows_than_the_batch_is_one_line(tiny_dir, tmp_path):
+def test_fewer_rows_than_the_batch_isone_line(tiny_dir, tmp_path):
     """Found after the data is read (the models loaded): in a process of its own, as a user sees it."""
     out = _cli("sft", *_sft_args(tiny_dir, tmp_path, rows=4))
-    _one_line(out.returncode, out.stderr, "sft", "run.batch_size=8 is larger than the 4 training examples")
+    one_line(out.returncode, out.stderr, "sft", "run.batch_size=8 is larger than the 4 training examples")
 
 
-def test_resume_from_a_missing_folder_or_a_partial_checkpoint_is_one_line(tiny_dir, tmp_path, capsys):
+def test_resume_from_a_missing_folder_or_a_partial_checkpoint_isone_line(tiny_dir, tmp_path, capsys):
     missing = tmp_path / "nowhere" / "step-000002"
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, f"run.resume_from={missing}"))
-    _one_line(status, err, "sft", f"run.resume_from: no checkpoint folder at {missing}")
+    one_line(status, err, "sft", f"run.resume_from: no checkpoint folder at {missing}")
     partial = tmp_path / "partial"
     (partial / "hf").mkdir(parents=True)
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, f"run.resume_from={partial}"))
-    _one_line(status, err, "sft", "it is a partial checkpoint")
+    one_line(status, err, "sft", "it is a partial checkpoint")
     # still the types code catches
     assert issubclass(checkpoint.IncompleteCheckpointError, UserError)
     assert issubclass(checkpoint.IncompleteCheckpointError, RuntimeError)
@@ -79,22 +69,22 @@ def test_resume_from_a_missing_folder_or_a_partial_checkpoint_is_one_line(tiny_d
     assert issubclass(DataError, UserError)
 
 
-def test_resume_with_a_changed_config_or_past_max_steps_is_one_line(tiny_dir, tmp_path, capsys):
+def test_resume_with_a_changed_config_or_past_max_steps_isone_line(tiny_dir, tmp_path, capsys):
     config = load_config(SFTConfig, None, _sft_args(tiny_dir, tmp_path, "run.max_steps=6"))
     with pytest.raises(KeyboardInterrupt):
         train_sft(config, callbacks=[crash_at(3)])  # leaves step-000002
     changed = _sft_args(tiny_dir, tmp_path, "run.max_steps=6", "run.resume_from=latest", "optim.lr=2e-3")
     status, err = _main(capsys, "sft", *changed)
-    _one_line(status, err, "sft", "different config (optim.lr: 0.001 in the checkpoint, 0.002 now)")
+    one_line(status, err, "sft", "different config (optim.lr: 0.001 in the checkpoint, 0.002 now)")
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, "run.max_steps=2", "run.resume_from=latest"))
-    _one_line(status, err, "sft", "is at step 2, at or past this run's 2 steps")
+    one_line(status, err, "sft", "is at step 2, at or past this run's 2 steps")
 
 
-def test_overwrite_of_a_folder_posttrain_did_not_write_is_one_line(tiny_dir, tmp_path, capsys):
+def test_overwrite_of_a_folder_posttrain_did_not_write_isone_line(tiny_dir, tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "thesis.tex").write_text("years of work")
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, "run.max_steps=1", "run.overwrite=true"))
-    _one_line(status, err, "sft", "not a posttrain run folder; not clearing it")
+    one_line(status, err, "sft", "not a posttrain run folder; not clearing it")
     assert (tmp_path / "run" / "thesis.tex").read_text() == "years of work"
 
 
@@ -105,7 +95,7 @@ def test_fsdp_without_an_accelerate_config_is_one_line_and_asks_for_no_fsdp_vers
         monkeypatch.delenv(key)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, "run.max_steps=1"))
-    _one_line(status, err, "sft", "ACCELERATE_USE_FSDP=true without an accelerate FSDP config")
+    one_line(status, err, "sft", "ACCELERATE_USE_FSDP=true without an accelerate FSDP config")
     assert "examples/accelerate/fsdp2.yaml" in err
     assert "fsdp_version" not in err.lower() and "version 1" not in err
 
@@ -140,7 +130,7 @@ def test_an_empty_data_folder_is_refused_at_start(tiny_dir, tmp_path, capsys):
     (tmp_path / "data" / ".cache").mkdir(parents=True)  # hidden: datasets reads no file from it
     (tmp_path / "data" / ".cache" / "x.lock").write_text("")
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, f"data.path={tmp_path / 'data'}"))
-    _one_line(status, err, "sft", f"data.path: {tmp_path / 'data'} is an empty folder")
+    one_line(status, err, "sft", f"data.path: {tmp_path / 'data'} is an empty folder")
     assert not (tmp_path / "run").exists()
 
 
@@ -148,7 +138,7 @@ def test_an_output_dir_that_cannot_be_written_is_refused_at_start(tiny_dir, tmp_
     (tmp_path / "a-file").write_text("")
     out = tmp_path / "a-file" / "run"
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, f"run.output_dir={out}"))
-    _one_line(status, err, "sft", f"run.output_dir: {out} cannot be created: {tmp_path / 'a-file'} is a file")
+    one_line(status, err, "sft", f"run.output_dir: {out} cannot be created: {tmp_path / 'a-file'} is a file")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
@@ -159,7 +149,7 @@ def test_a_read_only_output_parent_is_refused_at_start(tiny_dir, tmp_path, capsy
         status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, f"run.output_dir={tmp_path / 'ro' / 'run'}"))
     finally:
         os.chmod(tmp_path / "ro", 0o755)
-    _one_line(status, err, "sft", "is not writable")
+    one_line(status, err, "sft", "is not writable")
 
 
 def test_vllm_rollouts_without_vllm_are_refused_at_start(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -174,7 +164,7 @@ def test_vllm_rollouts_without_vllm_are_refused_at_start(tiny_dir, tmp_path, cap
         f"run.output_dir={tmp_path / 'run'}",
         "rollout.engine=vllm",
     )
-    _one_line(status, err, "grpo", "rollout.engine=vllm needs vLLM, which is not installed")
+    one_line(status, err, "grpo", "rollout.engine=vllm needs vLLM, which is not installed")
     assert not (tmp_path / "run").exists()
 
 
@@ -182,7 +172,7 @@ def test_a_deepspeed_launch_without_deepspeed_is_refused_at_start(tiny_dir, tmp_
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path))
-    _one_line(status, err, "sft", "DeepSpeed (ACCELERATE_USE_DEEPSPEED=true), which is not installed")
+    one_line(status, err, "sft", "DeepSpeed (ACCELERATE_USE_DEEPSPEED=true), which is not installed")
     assert not (tmp_path / "run").exists()
 
 

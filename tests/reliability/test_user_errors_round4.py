@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import one_line, signal_when
 from helpers import sft_args as _sft_args
 
 from posttrain.cli import main
@@ -32,16 +33,6 @@ def _main(capsys, *args) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exited:
         main(list(args))
     return exited.value.code, capsys.readouterr().err
-
-
-def _one_line(status: int, stderr: str, command: str, message: str) -> None:
-    """Exit 2 and exactly one line on stderr, ``posttrain <command>: error: ...`` holding ``message``."""
-    assert status == 2, stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1, stderr[-3000:]
-    assert lines[0].startswith(f"posttrain {command}: error: "), lines[0]
-    assert message in lines[0], lines[0]
 
 
 # -- overrides on both sides of a flag ----------------------------------------------------------------------
@@ -119,7 +110,7 @@ def test_a_nan_reward_is_one_line_naming_the_function(tiny_dir, tmp_path):
     """The right message came at the end of ~50 lines of traceback."""
     (tmp_path / "nan.py").write_text("def score(prompts, completions, **columns):\n    return [float('nan')] * 4\n")
     out = _cli("grpo", *_grpo_args(tiny_dir, tmp_path, tmp_path / "nan.py"))
-    _one_line(out.returncode, out.stderr, "grpo", "reward function 'score' returned NaN for prompt")
+    one_line(out.returncode, out.stderr, "grpo", "reward function 'score' returned NaN for prompt")
 
 
 @pytest.mark.parametrize(
@@ -131,10 +122,10 @@ def test_a_nan_reward_is_one_line_naming_the_function(tiny_dir, tmp_path):
         ("[1.0]", "reward function 'score' returned 1 values for 4 completions"),
     ],
 )
-def test_reward_values_that_are_no_reward_are_one_line(tiny_dir, tmp_path, capsys, returned, said):
+def test_reward_values_that_are_no_reward_areone_line(tiny_dir, tmp_path, capsys, returned, said):
     (tmp_path / "bad.py").write_text(f"def score(prompts, completions, **columns):\n    return {returned}\n")
     status, err = _main(capsys, "grpo", *_grpo_args(tiny_dir, tmp_path, tmp_path / "bad.py"))
-    _one_line(status, err, "grpo", said)
+    one_line(status, err, "grpo", said)
 
 
 def test_a_nan_episode_reward_names_the_environment():
@@ -170,7 +161,7 @@ def test_eval_refuses_a_run_folder_and_writes_one_evaluation_per_folder(tiny_dir
     evaluate = ["eval", "--model", str(run / "final" / "policy"), "--data", data, "--rewards"]
     evaluate += ["posttrain.rewards.builtin:exact_answer", "--max-new-tokens", "2", "data.chat_template=never"]
     status, err = _main(capsys, *evaluate, "--output-dir", str(run))
-    _one_line(status, err, "eval", f"--output-dir: {run} holds a training run's records")
+    one_line(status, err, "eval", f"--output-dir: {run} holds a training run's records")
     assert f"e.g. --output-dir {run / 'eval'}" in err
     assert (run / "eval_samples.jsonl").read_text() == records
     for _ in range(2):
@@ -210,7 +201,7 @@ def test_a_full_disk_at_the_last_step_writes_the_final_model_and_says_so(tiny_di
     monkeypatch.setattr("torch.save", _failing_torch_save(ENOSPC))
     run = tmp_path / "run"
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, "run.max_steps=2", "run.save_every=2"))
-    _one_line(status, err, "sft", f"checkpoint step 2 (the last): no space left on device writing {run}")
+    one_line(status, err, "sft", f"checkpoint step 2 (the last): no space left on device writing {run}")
     assert f"the final model was written to {run / 'final'}" in err and "resume_from" not in err
     assert not list((run / "checkpoints").iterdir())  # the partial folder is gone
     from transformers import AutoModelForCausalLM
@@ -223,7 +214,7 @@ def test_a_full_disk_for_the_final_model_too_says_to_start_over(tiny_dir, tmp_pa
     monkeypatch.setattr("transformers.modeling_utils.safe_save_file", _failing_safetensors(ENOSPC))
     run = tmp_path / "run"
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, "run.max_steps=2", "run.save_every=2"))
-    _one_line(status, err, "sft", "checkpoint step 2 (the last): no space left on device")
+    one_line(status, err, "sft", "checkpoint step 2 (the last): no space left on device")
     assert f"the final model could not be written either (final model: no space left on device writing {run}" in err
     assert "no older checkpoint exists. Free space there (or lower run.keep_last) and start the run again" in err
     assert "resume_from" not in err and not (run / "final" / "policy").exists()
@@ -231,23 +222,23 @@ def test_a_full_disk_for_the_final_model_too_says_to_start_over(tiny_dir, tmp_pa
     assert main(["sft", *_sft_args(tiny_dir, tmp_path, "run.max_steps=2", "run.overwrite=true")]) == 0  # as said
 
 
-def test_a_full_disk_without_the_final_model_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_a_full_disk_without_the_final_model_isone_line(tiny_dir, tmp_path, capsys, monkeypatch):
     """Without checkpoints (run.save_every=null) the final model was the only write: a full disk there was a
     raw traceback, and left a torn model.safetensors behind."""
     monkeypatch.setattr("transformers.modeling_utils.safe_save_file", _failing_safetensors(ENOSPC))
     run = tmp_path / "run"
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, "run.max_steps=1", "run.save_every=null"))
-    _one_line(status, err, "sft", f"final model: no space left on device writing {run / 'final' / 'policy'}")
+    one_line(status, err, "sft", f"final model: no space left on device writing {run / 'final' / 'policy'}")
     assert not (run / "final" / "policy").exists()
 
 
-def test_an_unwritable_checkpoint_folder_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_an_unwritable_checkpoint_folder_isone_line(tiny_dir, tmp_path, capsys, monkeypatch):
     """A PermissionError traceback where a full disk gave one line. Simulated (tests may run as root, which
     writes into a read-only folder): the checkpoint's files fail as in a folder without write permission."""
     monkeypatch.setattr("torch.save", _failing_torch_save(PermissionError(13, "Permission denied")))
     run = tmp_path / "run"
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, "run.max_steps=4", "run.save_every=2"))
-    _one_line(status, err, "sft", f"checkpoint step 2: permission denied writing {run / 'checkpoints'}")
+    one_line(status, err, "sft", f"checkpoint step 2: permission denied writing {run / 'checkpoints'}")
     assert f"no older checkpoint exists. Make {run / 'checkpoints'} writable and start the run again" in err
 
 
@@ -275,28 +266,28 @@ def _truncated_gguf(tmp_path, size: int) -> Path:
     return path
 
 
-def test_a_truncated_or_foreign_gguf_in_import_is_one_line(tmp_path, capsys, monkeypatch):
+def test_a_truncated_or_foreign_gguf_in_import_isone_line(tmp_path, capsys, monkeypatch):
     """A truncated .gguf raised struct.error (and, cut later, "cannot reshape array"; an empty one "cannot mmap
     an empty file") with a traceback; a file that is no GGUF at all got as far."""
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
     torn = _truncated_gguf(tmp_path, 5000)
     status, err = _main(capsys, "import", str(torn), "--out", str(tmp_path / "out"))
-    _one_line(status, err, "import", f"{torn}: not a valid, complete GGUF file (5000 bytes; reading it failed")
+    one_line(status, err, "import", f"{torn}: not a valid, complete GGUF file (5000 bytes; reading it failed")
     page = tmp_path / "page.gguf"
     page.write_text("<html>rate limited</html>")
     status, err = _main(capsys, "import", str(page), "--out", str(tmp_path / "out"))
-    _one_line(status, err, "import", f"{page}: not a GGUF file (it starts with b'<htm', not b'GGUF')")
+    one_line(status, err, "import", f"{page}: not a GGUF file (it starts with b'<htm', not b'GGUF')")
     assert not (tmp_path / "out").exists()
 
 
-def test_a_gguf_torn_anywhere_or_with_a_corrupt_header_is_one_line(tmp_path, capsys, monkeypatch):
+def test_a_gguf_torn_anywhere_or_with_a_corrupt_header_isone_line(tmp_path, capsys, monkeypatch):
     """Cut at any offset (the header, the tensor table, the data) or with a metadata key corrupted in place:
     one line naming the file. A corrupt key raised transformers' KeyError with a traceback."""
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
     for size in (10, 100, 1_000_000, 1_785_700, 40_000_000):  # the tensors' data starts at byte 1,785,664
         torn = _truncated_gguf(tmp_path, size)
         status, err = _main(capsys, "import", str(torn), "--out", str(tmp_path / "out"))
-        _one_line(status, err, "import", f"{torn}: not a valid, complete GGUF file ({size} bytes; reading it failed")
+        one_line(status, err, "import", f"{torn}: not a valid, complete GGUF file ({size} bytes; reading it failed")
     whole = _packaged_gguf().read_bytes()
     for key, said in (("tokenizer.ggml.tokens", "KeyError: 'tokens'"), ("tokenizer.ggml.merges", "KeyError: 'scores'")):
         corrupt = tmp_path / "corrupt" / f"{key}.gguf"
@@ -304,19 +295,19 @@ def test_a_gguf_torn_anywhere_or_with_a_corrupt_header_is_one_line(tmp_path, cap
         at = whole.index(key.encode()) + len(key) - 1  # the key's last letter: the model lacks that metadata
         corrupt.write_bytes(whole[:at] + b"X" + whole[at + 1 :])
         status, err = _main(capsys, "import", str(corrupt), "--out", str(tmp_path / "out"))
-        _one_line(status, err, "import", f"{corrupt}: not a valid, complete GGUF file ({len(whole)} bytes;")
+        one_line(status, err, "import", f"{corrupt}: not a valid, complete GGUF file ({len(whole)} bytes;")
         assert f"reading it failed with {said}" in err
     assert not (tmp_path / "out").exists()
 
 
-def test_a_truncated_gguf_as_the_model_path_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_a_truncated_gguf_as_the_model_path_isone_line(tiny_dir, tmp_path, capsys, monkeypatch):
     """As ``model.path`` it said "cannot reshape array of size ... into shape ..." after a traceback. Cut after
     the tokenizer's metadata, inside the first tensor's data."""
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
     torn = _truncated_gguf(tmp_path, 2_000_000)
     args = _sft_args(tiny_dir, tmp_path, f"model.path={torn}", "run.max_steps=1")
     status, err = _main(capsys, "sft", *args)
-    _one_line(status, err, "sft", f"{torn}: not a valid, complete GGUF file (2000000 bytes; reading it failed")
+    one_line(status, err, "sft", f"{torn}: not a valid, complete GGUF file (2000000 bytes; reading it failed")
     assert "cannot reshape array" in err  # what numpy said, kept in the line
 
 
@@ -368,21 +359,21 @@ def _distill_args(tiny_dir, tmp_path, *overrides):
 def test_a_teacher_device_that_is_no_device_is_one_line_at_start(tiny_dir, tmp_path):
     """``teacher_device=banana`` failed after both models had loaded, with 36-93 lines of traceback."""
     out = _cli("distill", *_distill_args(tiny_dir, tmp_path, "teacher_device=banana"))
-    _one_line(out.returncode, out.stderr, "distill", "teacher_device='banana' is not a device: use auto, cpu, cuda")
+    one_line(out.returncode, out.stderr, "distill", "teacher_device='banana' is not a device: use auto, cpu, cuda")
     assert not (tmp_path / "run").exists()
 
 
 @_NO_CUDA
 def test_a_cuda_teacher_or_judge_on_a_machine_without_cuda_is_one_line_at_start(tiny_dir, tmp_path, capsys):
     status, err = _main(capsys, "distill", *_distill_args(tiny_dir, tmp_path, "teacher_device=cuda"))
-    _one_line(status, err, "distill", "teacher_device=cuda: this machine has no CUDA device")
+    one_line(status, err, "distill", "teacher_device=cuda: this machine has no CUDA device")
     judge = "{function: posttrain.rewards.judge:judge_yes_probability, kwargs: {path: %s, template: '{prompt}', "
     judge += "yes: ['1'], no: ['0'], device: cuda}}"
     data = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{i}+{i}="} for i in range(4)])
     grpo = [f"model.path={tiny_dir / 'policy'}", f"data.path={data}", f"run.output_dir={tmp_path / 'run'}"]
     grpo += [f"rewards=[{judge % (tiny_dir / 'policy')}]", "run.batch_size=4", "num_generations=2"]
     status, err = _main(capsys, "grpo", *grpo)
-    _one_line(status, err, "grpo", "rewards[0].kwargs.device=cuda: this machine has no CUDA device")
+    one_line(status, err, "grpo", "rewards[0].kwargs.device=cuda: this machine has no CUDA device")
     assert not (tmp_path / "run").exists()
 
 
@@ -405,7 +396,7 @@ def test_an_async_resume_with_another_number_of_processes_is_one_line_at_start(t
     capsys.readouterr()
     monkeypatch.setenv("WORLD_SIZE", "2")
     status, err = _main(capsys, "grpo", *grpo, "run.max_steps=3", "run.resume_from=latest")
-    _one_line(status, err, "grpo", f"run.resume_from: {checkpoint} holds the asynchronous rollout queues")
+    one_line(status, err, "grpo", f"run.resume_from: {checkpoint} holds the asynchronous rollout queues")
     assert "of 1 process(es), this launch has 2" in err and "resume with 1 process(es)" in err
 
 
@@ -439,7 +430,6 @@ def test_sigterm_during_the_reference_pass_says_so_and_exits_143(tiny_dir, tmp_p
     """SIGTERM during reference=precompute's pass (before step 1, minutes on a CPU) ended the run without a
     word. A real ``posttrain dpo`` process, signalled by the test once the pass is under way."""
     import signal
-    import time
 
     from posttrain.data.synthetic import arithmetic_pairs
 
@@ -450,17 +440,7 @@ def test_sigterm_during_the_reference_pass_says_so_and_exits_143(tiny_dir, tmp_p
     args += ["data.chat_template=never", "run.batch_size=8", "run.max_steps=2", "run.progress=false"]
     command = [sys.executable, str(tmp_path / "driver.py"), str(marker), "dpo", *args]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not marker.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the reference pass did not start in 240 s"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out, err = signal_when(proc, marker.exists, "the reference pass did not start", signal.SIGTERM)
     assert proc.returncode == 143, (out, err)
     line = "[dpo] stopped by SIGTERM during the reference log-probs pass (reference=precompute), before step 1: "
     line += "nothing was trained or saved; run the same command again to start over"
