@@ -47,13 +47,13 @@ def _sft_args(tiny_dir, tmp_path, *overrides, rows=32):
 # -- item 6: late user errors are one line ---------------------------------------------------------------
 
 
-def test_fewer_rows_than_the_batch_isone_line(tiny_dir, tmp_path):
+def test_fewer_rows_than_the_batch_is_one_line(tiny_dir, tmp_path):
     """Found after the data is read (the models loaded): in a process of its own, as a user sees it."""
     out = _cli("sft", *_sft_args(tiny_dir, tmp_path, rows=4))
     one_line(out.returncode, out.stderr, "sft", "run.batch_size=8 is larger than the 4 training examples")
 
 
-def test_resume_from_a_missing_folder_or_a_partial_checkpoint_isone_line(tiny_dir, tmp_path, capsys):
+def test_resume_from_a_missing_folder_or_a_partial_checkpoint_is_one_line(tiny_dir, tmp_path, capsys):
     missing = tmp_path / "nowhere" / "step-000002"
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, f"run.resume_from={missing}"))
     one_line(status, err, "sft", f"run.resume_from: no checkpoint folder at {missing}")
@@ -69,7 +69,7 @@ def test_resume_from_a_missing_folder_or_a_partial_checkpoint_isone_line(tiny_di
     assert issubclass(DataError, UserError)
 
 
-def test_resume_with_a_changed_config_or_past_max_steps_isone_line(tiny_dir, tmp_path, capsys):
+def test_resume_with_a_changed_config_or_past_max_steps_is_one_line(tiny_dir, tmp_path, capsys):
     config = load_config(SFTConfig, None, _sft_args(tiny_dir, tmp_path, "run.max_steps=6"))
     with pytest.raises(KeyboardInterrupt):
         train_sft(config, callbacks=[crash_at(3)])  # leaves step-000002
@@ -80,7 +80,7 @@ def test_resume_with_a_changed_config_or_past_max_steps_isone_line(tiny_dir, tmp
     one_line(status, err, "sft", "is at step 2, at or past this run's 2 steps")
 
 
-def test_overwrite_of_a_folder_posttrain_did_not_write_isone_line(tiny_dir, tmp_path, capsys):
+def test_overwrite_of_a_folder_posttrain_did_not_write_is_one_line(tiny_dir, tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "thesis.tex").write_text("years of work")
     status, err = _main(capsys, "sft", *_sft_args(tiny_dir, tmp_path, "run.max_steps=1", "run.overwrite=true"))

@@ -122,7 +122,7 @@ def test_a_nan_reward_is_one_line_naming_the_function(tiny_dir, tmp_path):
         ("[1.0]", "reward function 'score' returned 1 values for 4 completions"),
     ],
 )
-def test_reward_values_that_are_no_reward_areone_line(tiny_dir, tmp_path, capsys, returned, said):
+def test_reward_values_that_are_no_reward_are_one_line(tiny_dir, tmp_path, capsys, returned, said):
     (tmp_path / "bad.py").write_text(f"def score(prompts, completions, **columns):\n    return {returned}\n")
     status, err = _main(capsys, "grpo", *_grpo_args(tiny_dir, tmp_path, tmp_path / "bad.py"))
     one_line(status, err, "grpo", said)
@@ -222,7 +222,7 @@ def test_a_full_disk_for_the_final_model_too_says_to_start_over(tiny_dir, tmp_pa
     assert main(["sft", *_sft_args(tiny_dir, tmp_path, "run.max_steps=2", "run.overwrite=true")]) == 0  # as said
 
 
-def test_a_full_disk_without_the_final_model_isone_line(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_a_full_disk_without_the_final_model_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
     """Without checkpoints (run.save_every=null) the final model was the only write: a full disk there was a
     raw traceback, and left a torn model.safetensors behind."""
     monkeypatch.setattr("transformers.modeling_utils.safe_save_file", _failing_safetensors(ENOSPC))
@@ -232,7 +232,7 @@ def test_a_full_disk_without_the_final_model_isone_line(tiny_dir, tmp_path, caps
     assert not (run / "final" / "policy").exists()
 
 
-def test_an_unwritable_checkpoint_folder_isone_line(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_an_unwritable_checkpoint_folder_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
     """A PermissionError traceback where a full disk gave one line. Simulated (tests may run as root, which
     writes into a read-only folder): the checkpoint's files fail as in a folder without write permission."""
     monkeypatch.setattr("torch.save", _failing_torch_save(PermissionError(13, "Permission denied")))
@@ -266,7 +266,7 @@ def _truncated_gguf(tmp_path, size: int) -> Path:
     return path
 
 
-def test_a_truncated_or_foreign_gguf_in_import_isone_line(tmp_path, capsys, monkeypatch):
+def test_a_truncated_or_foreign_gguf_in_import_is_one_line(tmp_path, capsys, monkeypatch):
     """A truncated .gguf raised struct.error (and, cut later, "cannot reshape array"; an empty one "cannot mmap
     an empty file") with a traceback; a file that is no GGUF at all got as far."""
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
@@ -280,7 +280,7 @@ def test_a_truncated_or_foreign_gguf_in_import_isone_line(tmp_path, capsys, monk
     assert not (tmp_path / "out").exists()
 
 
-def test_a_gguf_torn_anywhere_or_with_a_corrupt_header_isone_line(tmp_path, capsys, monkeypatch):
+def test_a_gguf_torn_anywhere_or_with_a_corrupt_header_is_one_line(tmp_path, capsys, monkeypatch):
     """Cut at any offset (the header, the tensor table, the data) or with a metadata key corrupted in place:
     one line naming the file. A corrupt key raised transformers' KeyError with a traceback."""
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
@@ -300,7 +300,7 @@ def test_a_gguf_torn_anywhere_or_with_a_corrupt_header_isone_line(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
-def test_a_truncated_gguf_as_the_model_path_isone_line(tiny_dir, tmp_path, capsys, monkeypatch):
+def test_a_truncated_gguf_as_the_model_path_is_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
     """As ``model.path`` it said "cannot reshape array of size ... into shape ..." after a traceback. Cut after
     the tokenizer's metadata, inside the first tensor's data."""
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
