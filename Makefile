@@ -61,8 +61,12 @@ demo-real: $(VENV)/.installed
 
 # Two pytest workers (pytest-xdist): much of the suite waits on subprocesses (the CLI, two-process
 # launches, sandboxed rewards), so two workers on 2 cores ran it in 393 s against 571 s for one.
+# The browser tests (tests/test_feedback_browser.py, test_feedback_loop.py) drive the system's Chromium through
+# Playwright (the dev extra); nothing is downloaded. Without a chromium on PATH they skip with one line
+# (`apt install chromium`).
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
+	@command -v chromium >/dev/null || echo "browser tests will skip: no chromium on PATH (apt install chromium)"
 	$(VENV)/bin/ruff check .
 	$(MAKE) docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS)

@@ -19,6 +19,7 @@ __version__ = "0.2.0"
 CONFIGS = {
     "SFTConfig": "posttrain.trainers.sft",
     "RMConfig": "posttrain.trainers.rm",
+    "PRMConfig": "posttrain.trainers.prm",
     "DPOConfig": "posttrain.trainers.dpo",
     "KTOConfig": "posttrain.trainers.kto",
     "OnlineDPOConfig": "posttrain.trainers.online_dpo",
@@ -34,6 +35,8 @@ CONFIGS = {
     "ScoringConfig": "posttrain.rollout.engines",
     "RewardSpec": "posttrain.rewards.base",
     "EnvConfig": "posttrain.envs.base",
+    "ProcessRewardConfig": "posttrain.rewards.process",
+    "EntropyControlConfig": "posttrain.runtime.entropy_control",
     "EvalConfig": "posttrain.monitor.evaluate",
     "AlertConfig": "posttrain.monitor.alerts",
     "load_config": "posttrain.runtime.config",

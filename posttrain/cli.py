@@ -9,6 +9,7 @@ posttrain tiny --out runs/tiny   # build the tiny offline models the examples us
 posttrain eval --model runs/grpo/final/policy --data prompts.jsonl --rewards posttrain.rewards.builtin:exact_answer
 posttrain eval --model runs/rm/final/reward --data held_out_pairs.jsonl   # a reward model: accuracy, length bias
 posttrain report runs/grpo runs/ppo --out report.html
+posttrain sample --model runs/sft --data prompts.jsonl --out runs/task --k 4   # candidates to rank in the browser
 posttrain vllm-serve --model PATH   # a vLLM server for rollout.mode=server
 """
 
@@ -90,13 +91,9 @@ def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
     _add_eval_parser(sub)
-    report = sub.add_parser("report", help="one self-contained HTML report of one or more run folders")
-    report.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    report.add_argument(
-        "--out",
-        help="HTML file to write (default: report.html in the run folder, or in the folder holding all the runs, "
-        "else ./report.html)",
-    )
+    _add_report_parser(sub)
+    _add_sample_parser(sub)
+    _add_label_parsers(sub)
     serve = sub.add_parser("vllm-serve", help="serve rollouts from vLLM to trainers with rollout.mode=server")
     serve.add_argument(
         "--model", required=True, help="checkpoint folder (the policy's starting weights, or a distillation teacher)"
@@ -108,6 +105,95 @@ def build_parser(with_options: bool = False) -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs")
     serve.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _add_report_parser(sub) -> None:
+    report = sub.add_parser("report", help="one self-contained HTML report of one or more run folders")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    report.add_argument(
+        "--out",
+        help="HTML file to write (default: report.html in the run folder, or in the folder holding all the runs, "
+        "else ./report.html)",
+    )
+    report.add_argument(
+        "--human",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="TASK",
+        help="compare task folders (posttrain label, compare mode) whose win rate the report shows beside the "
+        "automatic evaluation; a run's own RUN_DIR/human/*/ tasks are shown without it",
+    )
+
+
+def _add_sample_parser(sub) -> None:
+    p = sub.add_parser(
+        "sample",
+        help="candidates for people to judge: K completions per prompt, or one from each of two models",
+        description="Sample K completions per prompt from one model (rank, pair or score), or one from each of "
+        "two models (compare: a blind A/B), into a task folder for `posttrain label` (candidates.jsonl, "
+        "task.json). key=value options: SampleConfig's, e.g. sampling.temperature=0.7 rollout.engine=vllm.",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="a checkpoint, run folder, LoRA adapter, .gguf or smollm2; twice for compare (A, then B)",
+    )
+    p.add_argument("--data", required=True, help="prompt rows {prompt, ...}; the other columns go to each row's meta")
+    p.add_argument("--out", required=True, help="the task folder to write")
+    p.add_argument("--k", type=int, default=None, help="completions per prompt (default 4; compare: 1 per model)")
+    p.add_argument("--mode", choices=["rank", "pair", "score", "compare"], help="default rank (two models: compare)")
+    p.add_argument("--n-prompts", type=int, default=None, help="the first N prompts of --data (default all)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the draws (default 0)")
+    p.add_argument("--force", action="store_true", help="replace the candidates of a task not yet judged")
+    p.add_argument(
+        "--config", help="sampling settings: a run folder (its config.yaml), a trainer's YAML or a SampleConfig YAML"
+    )
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. sampling.max_new_tokens=128 batch_size=8")
+
+
+def _add_label_parsers(sub) -> None:
+    """``posttrain label TASK``, and its sub-verbs ``label stats TASK`` and ``label export TASK`` (``main`` reads
+    ``label stats`` / ``label export`` as the unlisted commands label-stats / label-export)."""
+    description = (
+        "Serve the labelling page of a task folder (posttrain sample writes one): people rank, pick or compare "
+        "answers by keys or the mouse; every judgement is appended to TASK/judgements.jsonl and fsync'd. "
+        "Also: posttrain label stats TASK [--json]; posttrain label export TASK --out FILE [--labeller NAME]."
+    )
+    p = sub.add_parser(
+        "label", help="label a task's answers in the browser (rank | pair | compare | score)", description=description
+    )
+    p.add_argument("task", metavar="TASK", help="a task folder: task.json and candidates.jsonl")
+    p.add_argument("--mode", choices=["rank", "pair", "compare", "score"], help="override task.json's mode")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: loopback only; any other needs --token)"
+    )
+    p.add_argument("--port", type=int, default=8765, help="0 = any free port (the URL is printed at start)")
+    p.add_argument(
+        "--token",
+        help="a secret every request must carry (the printed URL holds it): 8 or more letters, digits and . _ ~ -; "
+        "or set POSTTRAIN_LABEL_TOKEN instead, which ps does not show",
+    )
+    p.add_argument("--labellers", help="comma-separated names allowed to label (override task.json's list)")
+    p.add_argument("--overlap", type=float, help="share of items every labeller gets (override task.json's)")
+    p.add_argument("--allow-ties", action="store_true", default=None, help="let labellers mark ties")
+    p.add_argument("--no-browser", action="store_true", help="do not open the page in a browser")
+    stats = sub.add_parser(
+        "label-stats",
+        prog="posttrain label stats",
+        description="Agreement and win rates of a task's judgements (also TASK/stats.json).",
+    )
+    stats.add_argument("task", metavar="TASK")
+    stats.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    export = sub.add_parser(
+        "label-export",
+        prog="posttrain label export",
+        description="A task's judgements as rows that posttrain rm reads.",
+    )
+    export.add_argument("task", metavar="TASK")
+    export.add_argument("--out", required=True, help="JSONL file to write")
+    export.add_argument("--labeller", help="only this labeller's judgements")
 
 
 def _add_eval_parser(sub) -> None:
@@ -257,13 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # option lists import the trainers: build them only when a trainer's --help is asked for
     wants_help = any(a in ("-h", "--help") for a in argv) and bool(argv) and argv[0] in TRAINERS
+    if argv[:1] == ["label"] and argv[1:2] in (["stats"], ["export"]):
+        argv = [f"label-{argv[1]}", *argv[2:]]
     parser = build_parser(with_options=wants_help)
     args = _parse_intermixed(parser, argv)
     if args.command is None:
         parser.print_help()
         return 0
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    _quiet_transformers()
+    if not args.command.startswith("label"):  # the labelling app loads no model: it starts in a second less
+        _quiet_transformers()
     commands = {
         "demo": _run_demo,
         "export": _run_export,
@@ -272,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         "eval": _run_eval,
         "report": _run_report,
         "vllm-serve": _run_vllm_serve,
+        "sample": _run_sample,
+        "label": _run_label,
+        "label-stats": _run_label_stats,
+        "label-export": _run_label_export,
     }
     return commands.get(args.command, _run_trainer)(parser, args)
 
@@ -341,12 +434,88 @@ def _run_tiny(parser, args) -> int:
 
 def _run_report(parser, args) -> int:
     from posttrain.errors import UserError
+    from posttrain.feedback.stats import refresh_stats
     from posttrain.monitor.report import write_report
 
     try:
-        print(f"wrote {write_report(args.runs, args.out)} (open it in a browser)")
+        # the judgements made since the last posttrain label stats count; a broken run task is one warning
+        unreadable = refresh_stats(args.runs, args.human)
+        for why in unreadable.values():
+            print(f"posttrain report: warning: {why} (left out of the human comparison)", file=sys.stderr)
+        print(f"wrote {write_report(args.runs, args.out, args.human, unreadable)} (open it in a browser)")
     except (FileNotFoundError, UserError) as err:
         parser.exit(2, f"posttrain report: error: {err}\n")
+    return 0
+
+
+def _sample_flags(args) -> list[str]:
+    """The ``posttrain sample`` flags as SampleConfig key=value overrides (the user's key=value ones come after)."""
+    out = [f"models={json.dumps(args.model)}", f"data.path={json.dumps(args.data)}"]
+    out.append(f"mode={args.mode or ('compare' if len(args.model) == 2 else 'rank')}")
+    if args.k is not None or len(args.model) == 2:
+        out.append(f"k={1 if args.k is None else args.k}")
+    out += [f"{key}={value}" for key in ("n_prompts", "seed") if (value := getattr(args, key)) is not None]
+    return out
+
+
+def _run_sample(parser, args) -> int:
+    from posttrain.errors import UserError
+    from posttrain.feedback.sample import load_sample_config, run_settings_source, sample_candidates, summary_lines
+
+    source = args.config or run_settings_source(args.model)  # a run folder's own sampling settings
+    try:
+        config, taken, explicit_template = load_sample_config(source, _sample_flags(args) + list(args.overrides))
+    except (ValueError, FileNotFoundError) as err:
+        parser.exit(2, f"posttrain sample: error: {err}\n")
+    if taken:
+        print(f"[sample] settings from {source}: {', '.join(taken)}")
+    try:
+        summary = sample_candidates(config, args.out, args.force, explicit_template)
+    except UserError as err:  # a missing model or data file, bad rows, a task folder in use: one line
+        parser.exit(2, f"posttrain sample: error: {err}\n")
+    print("\n".join(summary_lines(summary, args.out)))
+    return 0
+
+
+def _run_label(parser, args) -> int:
+    from posttrain.errors import UserError
+    from posttrain.feedback.store import load_task
+
+    try:
+        from posttrain.feedback.app import TOKEN_ENV, LabelSettings, serve
+    except ModuleNotFoundError as err:  # the web server is an extra: only this command needs it
+        if err.name not in ("fastapi", "starlette", "pydantic", "uvicorn"):
+            raise
+        parser.exit(2, f"posttrain label: error: {err.name} is missing: pip install 'posttrain[label]'\n")
+    labellers = None if args.labellers is None else [n.strip() for n in args.labellers.split(",") if n.strip()]
+    try:
+        task = load_task(args.task, args.mode, args.allow_ties, labellers, args.overlap)
+        token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None  # the flag wins
+        serve(task, LabelSettings(args.host, args.port, token), open_browser=not args.no_browser)
+    except UserError as err:
+        parser.exit(2, f"posttrain label: error: {err}\n")
+    return 0
+
+
+def _run_label_stats(parser, args) -> int:
+    from posttrain.errors import UserError
+    from posttrain.feedback.stats import label_stats
+
+    try:
+        print(label_stats(args.task, as_json=args.json))
+    except UserError as err:
+        parser.exit(2, f"posttrain label stats: error: {err}\n")
+    return 0
+
+
+def _run_label_export(parser, args) -> int:
+    from posttrain.errors import UserError
+    from posttrain.feedback.store import label_export
+
+    try:
+        print(label_export(args.task, args.out, args.labeller))
+    except UserError as err:
+        parser.exit(2, f"posttrain label export: error: {err}\n")
     return 0
 
 

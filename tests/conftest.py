@@ -79,3 +79,32 @@ def noisy_sft(tiny_dir, tmp_path_factory):
     )
     sft.train(config)
     return {"policy": str(root / "sft" / "final" / "policy"), "prompts": write_jsonl(root / "prompts.jsonl", prompts)}
+
+
+# ---- the browser tests of posttrain label (tests/browser_helpers.py; importing it skips without a chromium)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """The system's Chromium, headless, driven by Playwright: one per test module."""
+    from browser_helpers import chromium
+
+    with chromium() as launched:
+        yield launched
+
+
+@pytest.fixture
+def page(browser):
+    from browser_helpers import new_page
+
+    with new_page(browser) as opened:
+        yield opened
+
+
+@pytest.fixture
+def serve():
+    """``serve(task, *extra)``: ``posttrain label TASK --port 0 --no-browser *extra`` in a subprocess."""
+    from browser_helpers import servers
+
+    with servers() as start:
+        yield start

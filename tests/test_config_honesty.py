@@ -42,7 +42,7 @@ def test_k1_in_the_loss_is_refused_with_the_reason():
     assert load_config(GRPOConfig, None, GRPO_BASE + ["kl_estimator=k1", "kl_coef=0"]).kl_coef == 0  # no KL at all
 
 
-@pytest.mark.parametrize("preset", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("preset", ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "gmpo"])
 def test_presets_resolve_alike_from_python_and_yaml(preset):
     """Item 14: ``GRPOConfig(preset=...)`` from Python takes the preset's knobs as YAML does, an explicit
     setting wins in both, and the report says which knobs were overridden and nothing else."""
@@ -90,7 +90,7 @@ def test_policy_loss_is_checked_at_start_naming_the_field_and_the_choices():
     """A misspelt policy loss names the field and the choices; GSPO's one ratio per response is refused
     where advantages differ per token (reinforce++, PPO's GAE) with the way out; CISPO's weight may go
     without a lower bound (clip_low ≥ 1), PPO's ratio clip may not."""
-    allowed = r"\('ppo', 'gspo', 'gspo-token', 'cispo'\)"
+    allowed = r"\('ppo', 'gspo', 'gspo-token', 'cispo', 'gmpo', 'sapo'\)"
     with pytest.raises(ValueError, match=rf"policy_loss must be one of {allowed}, got 'gpso'"):
         load_config(GRPOConfig, None, GRPO_BASE + ["policy_loss=gpso"])
     with pytest.raises(ValueError, match=r"policy_loss=gspo .*reinforce\+\+.*use policy_loss=gspo-token"):

@@ -15,12 +15,15 @@ from posttrain.core import (
     cispo_policy_loss,
     dpo_loss,
     gae,
+    gmpo_policy_loss,
     gspo_policy_loss,
     kl_penalty,
     masked_mean,
     masked_whiten,
+    policy_loss_knobs,
     ppo_policy_loss,
     ranking_loss,
+    sapo_policy_loss,
     shape_rewards,
     value_loss,
 )
@@ -65,6 +68,11 @@ def _cases():
             lambda m, lp, old, a: aggregate_loss(cispo_policy_loss(lp, old, a, m, clip_low=0.2)[0], m),
             3,
         ),
+        "gmpo": (
+            lambda m, lp, old: aggregate_loss(gmpo_policy_loss(lp, old, adv_b, m)[0], m, "seq-mean-token-mean"),
+            2,
+        ),
+        "sapo_token_adv": (lambda m, lp, old, a: aggregate_loss(sapo_policy_loss(lp, old, a, m)[0], m), 3),
         "cispo_kl_in_loss": (
             lambda m, lp, old, ref: aggregate_loss(
                 cispo_policy_loss(lp, old, adv_b, m, clip_low=0.2)[0] + 0.1 * kl_penalty(lp, ref, "k3", mask=m), m
@@ -145,25 +153,33 @@ def test_ppo_empty_mask_is_finite_zero():
     assert all(torch.isfinite(v) for v in stats.values())
 
 
+def _knobs(name):
+    """The keyword knobs of ``POLICY_LOSSES[name]``: PPO's clip range (GMPO's, in log space), SAPO's defaults."""
+    return policy_loss_knobs(name, clip_low=0.2, clip_high=None, tau_pos=1.0, tau_neg=1.05)
+
+
 @pytest.mark.parametrize("name", list(POLICY_LOSSES))
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 def test_every_policy_loss_on_policy_has_ratio_one_and_the_ppo_gradient(name, mode):
     """π = π_old: every ratio is exactly 1 and nothing is clipped (docs/pitfalls.md #4), and the gradient is
     the plain policy gradient, the same for every policy loss in every aggregation (GSPO: s_i = 1 and
-    ∂s_i/∂logπ_t = 1/|y_i| on each of the |y_i| tokens; CISPO: weight 1 on ∇logπ). An empty mask gives 0."""
+    ∂s_i/∂logπ_t = 1/|y_i| on each of the |y_i| tokens, GMPO's geometric mean g_i likewise; CISPO: weight 1 on
+    ∇logπ; SAPO: gate slope 4·σ'(0) = 1). An empty mask gives 0."""
     mask, rand = _batch()
     old = 0.3 * rand()
     adv_b = torch.tensor([1.0, -0.5, 2.0, 0.3], dtype=torch.float64)
-    for adv in (adv_b, rand()) if name != "gspo" else (adv_b,):  # gspo takes one advantage per response
+    for adv in (adv_b, rand()) if name not in ("gspo", "gmpo") else (adv_b,):  # one advantage per response
         lp = old.clone().requires_grad_()
-        per_token, stats = POLICY_LOSSES[name](lp, old, adv, mask, clip_low=0.2, clip_high=None)
+        per_token, stats = POLICY_LOSSES[name](lp, old, adv, mask, **_knobs(name))
         loss = aggregate_loss(per_token, mask, mode, norm_length=T)
         assert stats["ratio_max"].item() == stats["ratio_min"].item() == 1.0 and stats["clipfrac"].item() == 0.0
         lp_ppo = old.clone().requires_grad_()
         ppo = aggregate_loss(ppo_policy_loss(lp_ppo, old, adv, mask, clip_low=0.2)[0], mask, mode, norm_length=T)
         assert_close(torch.autograd.grad(loss, lp)[0], torch.autograd.grad(ppo, lp_ppo)[0])
     empty = torch.zeros(2, 3)
-    per_token, stats = POLICY_LOSSES[name](torch.full((2, 3), float("nan")), torch.zeros(2, 3), torch.ones(2), empty)
+    per_token, stats = POLICY_LOSSES[name](
+        torch.full((2, 3), float("nan")), torch.zeros(2, 3), torch.ones(2), empty, **_knobs(name)
+    )
     assert aggregate_loss(per_token, empty).item() == 0.0
     assert all(torch.isfinite(v) for v in stats.values())
 
@@ -176,14 +192,14 @@ def test_micro_batches_recombined_with_counts_match_full_batch(mode, name):
     mask, rand = _batch()
     lp, old, adv = rand().requires_grad_(), rand(), rand()
     policy_loss = POLICY_LOSSES[name]
-    full = aggregate_loss(policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=None)[0], mask, mode)
+    full = aggregate_loss(policy_loss(lp, old, adv, mask, **_knobs(name))[0], mask, mode)
     (full_grad,) = torch.autograd.grad(full, lp)
     assert full_grad.abs().sum() > 0
 
     total_tokens = mask.sum()
     accumulated = torch.zeros((), dtype=lp.dtype)
     for rows in ([0], [1, 2], [3]):
-        per_token, _ = policy_loss(lp[rows], old[rows], adv[rows], mask[rows], clip_low=0.2, clip_high=None)
+        per_token, _ = policy_loss(lp[rows], old[rows], adv[rows], mask[rows], **_knobs(name))
         mb_loss = aggregate_loss(per_token, mask[rows], mode)
         if mode == "token-mean":
             weight = mask[rows].sum().item() / total_tokens.item()

@@ -96,6 +96,20 @@ def _runs(tiny_dir, tmp_path, setting: str) -> dict[str, tuple[str, list[str], l
         [f"model.path={policy}", teacher, *sampled, "loss=jsd", "run.batch_size=2"],
         ["policy/model.safetensors"],
     )
+    # two teachers, each prompt row naming one: at step 1 one process holds only teacher a's rows, the other
+    # only b's (``_teacher_prompts``); the per-teacher sums still reduce over one key set
+    teachers = f"teachers={{a: {{path: {tiny_dir / 'qwen2'}}}, b: {{path: {policy}}}}}"
+    runs["distill_teachers"] = (
+        "distill",
+        [
+            f"model.path={policy}",
+            teachers,
+            *sampled,
+            f"data.path={_jsonl(tmp_path / 'teachers.jsonl', _teacher_prompts())}",
+        ]
+        + ["num_generations=2"],
+        ["policy/model.safetensors"],
+    )
     # a LoRA policy whose reference is the same weights with the adapter off (the cheap path)
     lora = "model.lora={r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj]}"
     runs["grpo_lora"] = ("grpo", [*runs["grpo"][1], lora], ["policy/adapter_model.safetensors"])
@@ -119,6 +133,25 @@ def _runs(tiny_dir, tmp_path, setting: str) -> dict[str, tuple[str, list[str], l
         saved.append("policy/value_head.safetensors" if critic == "shared" else "critic/model.safetensors")
         overrides = [f"model.path={policy}", f"reward_model.path={reward}", *online, f"critic={critic}"]
         runs[f"ppo_{critic}"] = ("ppo", overrides + ["ppo_epochs=2"], saved)
+    # VC-PPO's value pretraining of a shared value head (its gradient averaged over the processes by hand: the
+    # exact check below reads critic_pretrain/grad_norm), with decoupled and length-adaptive λ
+    calibrated = ["value_pretrain_steps=2", "critic_lam=1.0", "length_adaptive_alpha=0.5"]
+    runs["ppo_shared_calibrated"] = ("ppo", runs["ppo_shared"][1] + calibrated, ["policy/model.safetensors"])
+    # entropy control: the selection is made over both processes' tokens (threshold, covariance means, top-k,
+    # the seeded Clip-Cov draw), not over each one's; ratios large enough that 8 responses of ≤ 4 tokens pick some.
+    # A selection is a step function of the weights: a learning rate small enough that Adam's float noise after
+    # step 1 (steps of up to lr) cannot move a token across a threshold at step 2. KL-Cov gathers the covariance
+    # grpo_clip_cov checks (its penalty is tested in process: test_entropy_control.py)
+    control = ["optim.lr=1e-7", "entropy_control.method="]
+    runs["grpo_clip_cov"] = (
+        "grpo",
+        [*runs["grpo"][1], control[0], f"{control[1]}clip_cov", "entropy_control.clip_cov_ratio=0.25"]
+        + ["entropy_control.clip_cov_low=-100"],
+        ["policy/model.safetensors"],
+    )
+    _, ppo, saved = runs["ppo_policy"]
+    knobs = [control[0], f"{control[1]}high_entropy", "entropy_control.high_entropy_ratio=.3"]
+    runs["ppo_high_entropy"] = ("ppo", [*ppo, *knobs], saved)
     return {
         name: (kind, common + overrides + [f"run.output_dir={tmp_path / setting / name}"], saved)
         for name, (kind, overrides, saved) in runs.items()
@@ -147,6 +180,7 @@ def test_every_trainer_and_critic_on_two_processes_matches_one_process(tiny_dir,
         # the exact check: the gradient norm of every update, after the all-reduce and before Adam (a missing
         # all-reduce gives rank 0's own norm, a wrong share a scaled one); the critic's own too
         keys = ("grad_norm", "critic_grad_norm") if name in ("ppo_reward", "ppo_policy") else ("grad_norm",)
+        keys += ("critic_pretrain/grad_norm",) if name == "ppo_shared_calibrated" else ()
         for key in keys:
             norms = [[r[key] for r in read_metrics(tmp_path / d / name) if key in r] for d in ("one", "two")]
             assert len(norms[1]) == 2, (name, key)  # only the main process logs
@@ -170,7 +204,10 @@ SUMMED = {
     "online_dpo_padded": ("pairs/count", "loss"),
     "distill": ("distill/reverse_kl", "score/std", "policy/loss"),
     "distill_jsd": ("distill/reverse_kl", "score/std", "policy/loss"),
+    "distill_teachers": ("distill/reverse_kl", "distill/a/reverse_kl", "distill/b/teacher_logprob", "distill/b/rows"),
     "grpo_env": ("episode/turns_mean", "episode/env_tokens_mean", "response_length/mean"),
+    "grpo_clip_cov": ("policy/selected_share", "policy/cov_max"),
+    "ppo_high_entropy": ("policy/selected_share", "policy/entropy_threshold"),
 }
 """{run: the logged metrics that are sums (or a gather) over the processes}."""
 
@@ -182,6 +219,16 @@ def _tied_prompts() -> list[dict]:
     order = PromptSampler(32, seed=0).take(8)
     tied = {order[2], order[3], order[4]}
     return [{"prompt": r["prompt"], "tie": i in tied} for i, r in enumerate(arithmetic_sft(32, seed=1))]
+
+
+def _teacher_prompts() -> list[dict]:
+    """The prompts of ``_runs`` with a ``teacher`` column: b for the two prompts process 1 samples at step 1 and
+    the first prompt process 0 samples at step 2 (``_tied_prompts``'s order), a for the others."""
+    order = PromptSampler(32, seed=0).take(8)
+    of_b = {order[2], order[3], order[4]}
+    return [
+        {"prompt": r["prompt"], "teacher": "b" if i in of_b else "a"} for i, r in enumerate(arithmetic_sft(32, seed=1))
+    ]
 
 
 def updates(name: str) -> int:

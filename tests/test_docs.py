@@ -152,8 +152,8 @@ def _shown(value) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, str):
-        return value or '""'
+    if isinstance(value, str):  # a newline as the escape YAML and Python write it (a table cell holds one line)
+        return value.replace("\n", "\\n") or '""'
     if isinstance(value, list):
         return "[" + ", ".join(map(str, value)) + "]"
     if isinstance(value, dict):
@@ -184,6 +184,7 @@ def _trainer_configs():
     from posttrain.trainers.kto import KTOConfig
     from posttrain.trainers.online_dpo import OnlineDPOConfig
     from posttrain.trainers.ppo import PPOConfig
+    from posttrain.trainers.prm import PRMConfig
     from posttrain.trainers.rm import RMConfig
     from posttrain.trainers.sft import SFTConfig
 
@@ -196,14 +197,20 @@ def _trainer_configs():
         "distill": DistillConfig,
         "kto": KTOConfig,
         "online_dpo": OnlineDPOConfig,
+        "prm": PRMConfig,
     }
 
 
 # a trainer whose knobs are tabled in one section of a page that tables other trainers' too: (page, section heading)
-SECTION_PAGES = {"dpo": ("dpo", "Config knobs"), "kto": ("dpo", "KTO"), "online_dpo": ("dpo", "Online DPO")}
+SECTION_PAGES = {
+    "dpo": ("dpo", "Config knobs"),
+    "kto": ("dpo", "KTO"),
+    "online_dpo": ("dpo", "Online DPO"),
+    "prm": ("process_rewards", "Config knobs"),
+}
 
 
-@pytest.mark.parametrize("name", ["sft", "reward_model", "dpo", "ppo", "grpo", "distill", "kto", "online_dpo"])
+@pytest.mark.parametrize("name", ["sft", "reward_model", "dpo", "ppo", "grpo", "distill", "kto", "online_dpo", "prm"])
 def test_algorithm_page_lists_every_knob_with_its_default(name):
     cls = _trainer_configs()[name]
     page, section = SECTION_PAGES.get(name, (name, None))
@@ -225,8 +232,10 @@ def test_config_page_lists_every_section_field():
     from posttrain.models import ModelConfig
     from posttrain.monitor import AlertConfig, EvalConfig
     from posttrain.rewards import RewardSpec
+    from posttrain.rewards.process import ProcessRewardConfig
     from posttrain.rollout import RolloutConfig, SamplingParams, ScoringConfig
     from posttrain.runtime.config import OptimConfig, RunConfig
+    from posttrain.runtime.entropy_control import EntropyControlConfig
 
     sections = {
         "model": ModelConfig,
@@ -238,6 +247,8 @@ def test_config_page_lists_every_section_field():
         "teacher_scoring": ScoringConfig,
         "rewards[]": RewardSpec,
         "env": EnvConfig,
+        "process_reward_model": ProcessRewardConfig,
+        "entropy_control": EntropyControlConfig,
         "eval": EvalConfig,
         "alerts": AlertConfig,
     }

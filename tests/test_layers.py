@@ -1,5 +1,5 @@
 """The package's layers import downward only: core (torch only) → models, data, rewards, rollout, envs → monitor →
-runtime → trainers → cli. Read from the source's import statements, so a lazy import inside a function
+runtime → trainers, feedback → cli. Read from the source's import statements, so a lazy import inside a function
 counts as much as one at the top."""
 
 import ast
@@ -11,7 +11,7 @@ ROOT = Path(posttrain.__file__).parent
 # a package may import its own modules and those of every layer listed after it here
 LAYERS = [
     {"cli", "demo", "demo_real", "export", "__main__"},
-    {"trainers"},
+    {"trainers", "feedback"},  # the labelling verbs sit beside the trainers, on runtime, rollout and data
     {"runtime"},
     {"monitor"},
     {"models", "data", "rewards", "rollout", "envs"},
@@ -33,6 +33,9 @@ SIBLINGS = {
     "demo_real": {"demo"},
     "demo": set(),
     "export": set(),
+    # no trainer imports the labelling code, and it trains nothing
+    "trainers": set(),
+    "feedback": set(),
 }
 
 

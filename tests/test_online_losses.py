@@ -155,12 +155,20 @@ def _off_policy(rollout, seed=0):
 
 @pytest.mark.parametrize(
     ("policy_loss", "mode"),
-    [("gspo", "seq-mean-token-mean"), ("gspo-token", "token-mean"), ("cispo", "seq-mean-token-sum-norm")],
+    [
+        ("gspo", "seq-mean-token-mean"),
+        ("gspo-token", "token-mean"),
+        ("cispo", "seq-mean-token-sum-norm"),
+        ("gmpo", "seq-mean-token-mean"),
+        ("sapo", "token-mean"),
+    ],
 )
 def test_grpo_micro_batching_with_gspo_and_cispo(files, policy_loss, mode):
-    """GSPO, GSPO-token and CISPO off-policy (ratios ≠ 1, some clipped): 1 micro-batch of 8, 4 of 2 and
-    3 + 3 + 2 give the same gradient (a response's sequence ratio never spans micro-batches)."""
-    config = _grpo_config(files, f"policy_loss={policy_loss}", f"loss_agg={mode}", "clip_low=0.05")
+    """GSPO, GSPO-token, CISPO, GMPO and SAPO off-policy (ratios ≠ 1, some clipped or damped): 1 micro-batch
+    of 8, 4 of 2 and 3 + 3 + 2 give the same gradient (a response's sequence ratio, GMPO's geometric mean,
+    never spans micro-batches)."""
+    clip = [] if policy_loss == "sapo" else ["clip_low=0.05"]  # SAPO's gate has no clip range
+    config = _grpo_config(files, f"policy_loss={policy_loss}", f"loss_agg={mode}", *clip)
     trainer = GRPOTrainer(config)
     trainer._grads = StepGrads(policy=trainer.actor.optimizer)
     rollout = _varied_rollout(trainer)
@@ -173,10 +181,12 @@ def test_grpo_micro_batching_with_gspo_and_cispo(files, policy_loss, mode):
         _assert_same_grads(whole, _grads_of_update(trainer, rollout, inputs), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("policy_loss", ["gspo-token", "cispo"])
+@pytest.mark.parametrize("policy_loss", ["gspo-token", "cispo", "sapo"])
 def test_ppo_micro_batching_with_gspo_token_and_cispo(files, policy_loss):
-    """PPO's per-token GAE advantages through GSPO-token and CISPO: the same gradient for any micro-batches."""
-    trainer = _trainer_with_grads(_ppo(files, f"policy_loss={policy_loss}", "clip_low=0.05", "critic=policy"))
+    """PPO's per-token GAE advantages through GSPO-token, CISPO and SAPO: the same gradient for any
+    micro-batches."""
+    clip = [] if policy_loss == "sapo" else ["clip_low=0.05"]  # SAPO's gate has no clip range
+    trainer = _trainer_with_grads(_ppo(files, f"policy_loss={policy_loss}", *clip, "critic=policy"))
     rollout = _varied_rollout(trainer)
     _, old_values, advantages, returns, mask = _update_inputs(trainer, rollout)
     inputs = (_off_policy(rollout), old_values, advantages, returns, mask)

@@ -432,6 +432,9 @@ EXAMPLES = [
     "online_dpo_digits",
     "distill_digits",
     "sft_digits_teacher",
+    "sft_vowels_teacher",
+    "sft_mixed_noisy",
+    "distill_teachers",
 ]
 
 
@@ -508,6 +511,9 @@ def test_examples_run_as_written(tmp_path, monkeypatch):
         "online_dpo_digits",
         "sft_digits_teacher",
         "distill_digits",
+        "sft_vowels_teacher",
+        "sft_mixed_noisy",
+        "distill_teachers",
         "rm_vowels",
         "ppo_vowels",
     ]

@@ -180,13 +180,15 @@ def test_presets_print_their_knobs_and_match_core_by_hand(noisy_sft, tmp_path, p
         ["preset=gspo"],  # 4 minibatches: the first on-policy, the next three off-policy
         ["policy_loss=gspo-token", "clip_low=3e-4", "clip_high=4e-4", "minibatches=4"],
         ["preset=cispo", "clip_high=0.02", "num_iterations=2"],
+        ["preset=gmpo", "clip_low=0.02", "clip_high=0.02", "num_iterations=2"],
     ],
-    ids=["gspo", "gspo-token", "cispo"],
+    ids=["gspo", "gspo-token", "cispo", "gmpo"],
 )
 def test_gspo_and_cispo_start_on_policy_and_clip_off_policy(noisy_sft, tmp_path, overrides):
-    """The first minibatch of every step is on-policy for GSPO's sequence ratio and CISPO's weight too
-    (ratio 1, clipfrac 0: docs/pitfalls.md #4); the later, off-policy ones clip (GSPO's 3e-4 / 4e-4 range
-    clips whole responses; CISPO caps weights above 1.02)."""
+    """The first minibatch of every step is on-policy for GSPO's sequence ratio, CISPO's weight and GMPO's
+    geometric mean too (ratio 1, clipfrac 0: docs/pitfalls.md #4); the later, off-policy ones clip (GSPO's
+    3e-4 / 4e-4 range clips whole responses; CISPO caps weights above 1.02; GMPO token log-ratios beyond
+    ±0.02)."""
     config = _grpo(noisy_sft, tmp_path, "off_policy", "run.max_steps=2", *overrides)
     train_grpo(config)
     records = read_metrics(config.run.output_dir)
@@ -195,6 +197,21 @@ def test_gspo_and_cispo_start_on_policy_and_clip_off_policy(noisy_sft, tmp_path,
         assert abs(r["policy/first_minibatch_ratio_min"] - 1) < 1e-5
         assert r["policy/first_minibatch_clipfrac"] == 0
     assert max(r["policy/clipfrac"] for r in records) > 0
+
+
+def test_sapo_starts_on_policy_and_its_gate_damps_off_policy(noisy_sft, tmp_path):
+    """SAPO (``preset=sapo``, μ = 2): the first minibatch of every step has ratio 1 and gate weight 1 (the
+    plain policy gradient); the second pass is off-policy and the soft gate damps it (weight < 1) where
+    nothing is ever clipped (clipfrac 0)."""
+    config = _grpo(noisy_sft, tmp_path, "sapo", "run.max_steps=2", "preset=sapo", "num_iterations=2")
+    train_grpo(config)
+    records = [r for r in read_metrics(config.run.output_dir) if "policy/gate_weight_mean" in r]
+    assert len(records) == 2
+    for r in records:
+        assert abs(r["policy/first_minibatch_ratio_max"] - 1) < 1e-5
+        assert abs(r["policy/first_minibatch_ratio_min"] - 1) < 1e-5
+        assert r["policy/clipfrac"] == 0
+    assert min(r["policy/gate_weight_min"] for r in records) < 0.999
 
 
 REWARD_FILE = '''

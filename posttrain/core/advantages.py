@@ -1,4 +1,5 @@
-"""Token rewards and advantage estimators: RLHF-PPO reward shaping, GAE, GRPO group advantages, RLOO."""
+"""Token rewards and advantage estimators: RLHF-PPO reward shaping, GAE (with VC-PPO's decoupled λ and VAPO's
+length-adaptive λ), GRPO group advantages, RLOO."""
 
 from __future__ import annotations
 
@@ -29,11 +30,15 @@ def shape_rewards(
 
 
 def gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float | torch.Tensor = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16) over the valid tokens of each row:
 
-        δ_t = r_t + γ·V_{t'} − V_t,      A_t = δ_t + γλ·A_{t'},      returns_t = A_t + V_t
+        δ_t = r_t + γ·V_{t'} − V_t,      A_t = δ_t + γλ_b·A_{t'},      returns_t = A_t + V_t
 
     where t' is the next valid token after t, and V_{t'} = A_{t'} = 0 after the last one: the response
     ends there, so nothing is bootstrapped from padding (docs/pitfalls.md #12). Masked tokens inside a row
@@ -41,10 +46,15 @@ def gae(
     last one, the environment's answer being part of that state (docs/algorithms/multi_turn.md).
 
     rewards, values: [B, T]; mask: [B, T], 1 = a token the policy sampled.
+    lam: one λ for every row, or [B]: λ_b of row b (VAPO's length-adaptive λ, ``length_adaptive_lam``).
     Returns (advantages [B, T], returns [B, T]), both 0 at masked positions.
     """
     mask = mask.bool()
     rewards, values = zero_masked(rewards, mask), zero_masked(values, mask)
+    if isinstance(lam, torch.Tensor):
+        if lam.shape != rewards.shape[:1]:
+            raise ValueError(f"lam must be a number or one λ per row [B={rewards.shape[0]}], got {tuple(lam.shape)}")
+        lam = lam.to(device=rewards.device, dtype=rewards.dtype)
     T = rewards.shape[-1]
     advantages_reversed = []
     next_value = torch.zeros_like(values[:, 0])
@@ -57,6 +67,45 @@ def gae(
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
     returns = zero_masked(advantages + values, mask)
     return advantages, returns
+
+
+def decoupled_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam_actor: float | torch.Tensor,
+    lam_critic: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled GAE (VC-PPO, Yuan et al. 2025, arXiv 2503.01491, "Decoupled-GAE"; kept by VAPO, Yue et al.
+    2025, arXiv 2504.05118, §3.1): the policy's advantages and the critic's returns from two λ's,
+
+        advantages = A^{GAE(γ, λ_actor)},      returns = A^{GAE(γ, λ_critic)} + V
+
+    With γ = λ_critic = 1 the returns are the reward-to-go Σ_{t''≥t} r_{t''} whatever V is (the Monte-Carlo
+    return, VC-PPO's choice for the critic: the end-of-response score reaches every token undecayed), while
+    λ_actor < 1 keeps the advantages' variance down. ``gae`` computes both, shapes and masks as there;
+    lam_actor may be [B] (``length_adaptive_lam``). Returns (advantages [B, T], returns [B, T]).
+    """
+    advantages, returns = gae(rewards, values, mask, gamma, lam_actor)
+    if isinstance(lam_actor, torch.Tensor) or lam_actor != lam_critic:
+        returns = gae(rewards, values, mask, gamma, lam_critic)[1]
+    return advantages, returns
+
+
+def length_adaptive_lam(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's length-adaptive λ of the policy (Yue et al. 2025, arXiv 2504.05118, §3.2, "Length-Adaptive GAE"):
+    the TD errors' total weight Σ_t λ^t = 1/(1 − λ) is set to α·l, proportional to the response's length l,
+
+        λ_policy = 1 − 1/(α·l),      clamped to [0, 1)
+
+    so that a long response's end reward still reaches its early tokens and a short one keeps a low variance.
+    The clamp is ours: for α·l ≤ 1 (l ≤ 20 tokens at VAPO's α = 0.05) the formula gives λ ≤ 0, and GAE with a
+    negative λ would flip the sign of later TD errors; λ = 0 there is TD(0), the formula's own limit at α·l = 1.
+
+    lengths: [B], the tokens each response sampled (0 for none: λ = 0, which no token uses). Returns [B] float.
+    """
+    return (1.0 - 1.0 / (alpha * lengths.double())).clamp(min=0.0).to(torch.get_default_dtype())
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Losses: the loss aggregation modes, the policy losses (PPO/GRPO clipped, GSPO, CISPO), clipped value loss,
-DPO and the other offline preference losses (SimPO, ORPO, KTO), ranking.
+"""Losses: the loss aggregation modes, the policy losses (PPO/GRPO clipped, GSPO, CISPO, GMPO, SAPO), clipped
+value loss, DPO and the other offline preference losses (SimPO, ORPO, KTO), ranking.
 
 Every per-token loss is written separately from its reduction (``aggregate_loss``), because the
 reduction is where GRPO variants differ (Dr. GRPO, Liu et al. 2025; DAPO, Yu et al. 2025) and where
@@ -172,14 +172,113 @@ def cispo_policy_loss(
     return per_token, _ratio_stats(ratio, weight != ratio, logprobs, old_logprobs, mask)
 
 
+def gmpo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.4,
+    clip_high: float | None = 0.4,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO, Geometric-Mean Policy Optimization (Zhao et al. 2025, arXiv:2507.20673): GRPO's arithmetic
+    mean of the token terms ρ_{i,t}·A_i replaced by their geometric mean, each token's ratio clipped first, in
+    log space, on the side the sign of A_i picks (PPO's trust region, per token, before the mean):
+
+        x_{i,t} = logprobs_{i,t} − old_logprobs_{i,t}                            (log ρ_{i,t})
+        c_{i,t} = min(x_{i,t}, clip(x_{i,t}, −clip_low, clip_high))   if A_i ≥ 0   (capped above)
+                  max(x_{i,t}, clip(x_{i,t}, −clip_low, clip_high))   if A_i < 0   (floored below)
+        g_i = exp( (1/|y_i|) Σ_t m_{i,t}·c_{i,t} )        the geometric mean of the clipped token ratios
+        ℓ_{i,t} = −A_i·g_i        on every valid token of row i;   |y_i| = Σ_t m_{i,t}
+
+    As GSPO's, the row's term sits on each of its valid tokens, so ``aggregate_loss(ℓ, mask,
+    "seq-mean-token-mean")`` is the paper's −(1/G) Σ_i g_i·A_i. Its gradient is the paper's weighted policy
+    gradient: −A_i·g_i/|y_i| on the log-prob of each token of row i whose ratio is inside its bound, 0 on a
+    clipped token alone (GSPO drops the whole response; GRPO weighs a token by its own ρ_{i,t}, GMPO by the
+    response's g_i). The clip range is in log space: ratios in [e^−clip_low, e^clip_high]; the defaults 0.4 /
+    0.4 are the paper's (e^−0.4, e^0.4) (§4); ``clip_high`` None = ``clip_low``.
+
+    Shapes as in ``ppo_policy_loss``. The paper's advantage is one per response: [B] advantages are that;
+    [B, T] ones are reduced to their mean over the row's valid tokens (equal to A_i when constant along the
+    row; the trainers refuse per-token advantages for gmpo). Returns (ℓ [B, T], 0 where the mask is 0; stats):
+    clipfrac is the share of valid tokens whose log-ratio was clipped (none in a row of A_i = 0); ratio_mean/
+    max/min are over valid tokens of the unclipped token ratio ρ_{i,t} (the range the paper shows GMPO keeps
+    narrow); approx_kl as in ``ppo_policy_loss``.
+    """
+    mask, logprobs, old_logprobs, advantages = _policy_inputs(logprobs, old_logprobs, advantages, mask)
+    row_advantage = masked_mean(advantages, mask, dim=-1)  # [B]: A_i; 0 for an empty row
+    log_ratio = logprobs - old_logprobs
+    bounded = log_ratio.clamp(-clip_low, clip_low if clip_high is None else clip_high)
+    positive = (row_advantage >= 0)[:, None]
+    clipped_log_ratio = torch.where(positive, torch.minimum(log_ratio, bounded), torch.maximum(log_ratio, bounded))
+    geometric_mean = torch.exp(masked_mean(clipped_log_ratio, mask, dim=-1))  # [B]: g_i
+    per_token = torch.where(mask, -(row_advantage * geometric_mean)[:, None], 0.0)
+    # a row of A_i = 0 has the term 0 whatever its ratios: unclipped, as in verl's sgn(A_i) form
+    clipped = (clipped_log_ratio != log_ratio) & (row_advantage != 0)[:, None]
+    return per_token, _ratio_stats(torch.exp(log_ratio), clipped, logprobs, old_logprobs, mask)
+
+
+def sapo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO, Soft Adaptive Policy Optimization (Gao et al. 2025, Qwen team, arXiv:2511.20347): PPO's hard
+    clip replaced by a smooth gate of the token ratio, with one temperature for positive advantages and a
+    larger one, closing faster, for the others:
+
+        r_t = exp(logprobs_t − old_logprobs_t);   τ_t = τ_pos if A_t > 0 else τ_neg
+        f(r_t) = (4/τ_t)·σ(τ_t·(r_t − 1))          σ the logistic sigmoid
+        ℓ_t = −f(r_t)·A_t
+
+    Its gradient on log π_θ(y_t) is −w_t·r_t·A_t with w_t = 4·p_t·(1 − p_t), p_t = σ(τ_t·(r_t − 1)) (the
+    paper's gradient form): w = 1 at r = 1, so on-policy SAPO is the plain policy gradient −A_t (GRPO's too),
+    and the weight falls smoothly, never to 0, as r_t leaves 1, where PPO's clip cuts a token's gradient to 0 at
+    a hard edge. The 4/τ makes the gate's slope at r = 1 equal to 1 for any τ. Defaults τ_pos = 1.0, τ_neg = 1.05
+    are the paper's (τ_neg > τ_pos: a negative advantage raises the logits of many unsampled tokens, so its
+    off-policy updates are damped sooner). Every token has its own gate, so [B, T] advantages (PPO's GAE) fit.
+
+    Shapes as in ``ppo_policy_loss``. Returns (ℓ [B, T], 0 where the mask is 0; stats): clipfrac is 0 (nothing
+    is clipped); gate_weight_mean and gate_weight_min are the mean and least w_t over valid tokens (1 on-policy:
+    how much the gate damped the update); ratio_mean/max/min of r_t and approx_kl as in ``ppo_policy_loss``.
+    """
+    mask, logprobs, old_logprobs, advantages = _policy_inputs(logprobs, old_logprobs, advantages, mask)
+    ratio = torch.exp(logprobs - old_logprobs)
+    tau = torch.where(advantages > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))  # in ratio's dtype
+    gate = torch.sigmoid(tau * (ratio - 1))  # p_t
+    per_token = -(4 / tau) * gate * advantages
+    stats = _ratio_stats(ratio, torch.zeros_like(mask), logprobs, old_logprobs, mask)
+    weight = (4 * gate * (1 - gate)).detach()  # w_t
+    stats["gate_weight_mean"] = masked_mean(weight, mask)
+    stats["gate_weight_min"] = torch.where(mask.any(), torch.where(mask, weight, torch.inf).min(), 0.0)
+    return per_token, stats
+
+
 POLICY_LOSSES = {
     "ppo": ppo_policy_loss,
     "gspo": gspo_policy_loss,
     "gspo-token": functools.partial(gspo_policy_loss, token_level=True),
     "cispo": cispo_policy_loss,
+    "gmpo": gmpo_policy_loss,
+    "sapo": sapo_policy_loss,
 }
 """The policy losses a trainer chooses from by name (``policy_loss``), all with ``ppo_policy_loss``'s
-arguments and return: the per-token loss [B, T] and its statistics."""
+positional arguments and return: the per-token loss [B, T] and its statistics. Their keyword knobs are
+``policy_loss_knobs``'s."""
+
+
+def policy_loss_knobs(
+    name: str, *, clip_low: float, clip_high: float | None, tau_pos: float, tau_neg: float
+) -> dict[str, float | None]:
+    """The keyword arguments of ``POLICY_LOSSES[name]``: SAPO's two temperatures (its gate has no clip range),
+    every other loss's clip range (GMPO's in log space)."""
+    if name == "sapo":
+        return {"tau_pos": tau_pos, "tau_neg": tau_neg}
+    return {"clip_low": clip_low, "clip_high": clip_high}
 
 
 def _policy_inputs(logprobs, old_logprobs, advantages, mask):

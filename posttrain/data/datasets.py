@@ -25,10 +25,12 @@ from posttrain.data.rows import (
     check_prompt,
     check_ranking,
     check_sft,
+    check_stepwise,
     check_unpaired,
     read_rows,
     with_first_kinds,
 )
+from posttrain.data.steps import TokenText, separator_ends, step_end_tokens
 from posttrain.errors import UserError
 from posttrain.sections import remembers_given
 
@@ -161,6 +163,14 @@ class RankingExample:
 
 
 @dataclass
+class StepwiseExample:
+    prompt_ids: list[int]
+    completion_ids: list[int]  # the steps joined by the step separator, then EOS (or the template's end of turn)
+    step_ends: list[int]  # index in completion_ids of the token that ends each labelled step
+    labels: list[bool]  # one per step end: True = a correct step
+
+
+@dataclass
 class PromptExample:
     prompt_ids: list[int]
     prompt: str | list[dict]
@@ -177,7 +187,7 @@ def rendered(tokenizer, example) -> str:
     (SFT, KTO) completion, (DPO, RM) chosen or best response, printed once at start so that a template's
     default system prompt or a missing end-of-turn token is seen, not guessed."""
     ids = list(example.prompt_ids)
-    if isinstance(example, SFTExample | UnpairedExample):
+    if isinstance(example, SFTExample | UnpairedExample | StepwiseExample):
         ids += example.completion_ids
     elif isinstance(example, PreferenceExample):
         ids += example.chosen_ids
@@ -334,6 +344,40 @@ def load_rankings(config: DataConfig, tokenizer, source=None) -> tuple[list[Rank
         return RankingExample(encoded[0].prompt_ids, ids), any(e.truncated for e in encoded), ""
 
     return _build(config, tokenizer, source, make, RankingExample)
+
+
+def load_stepwise(
+    config: DataConfig, tokenizer, separator: str = "\n", source=None
+) -> tuple[list[StepwiseExample], DataReport]:
+    """Step-labelled rows {prompt, completions, labels}: the steps joined by ``separator`` into one completion,
+    encoded as any completion; each label sits on the token that ends its step (``steps.step_end_tokens``).
+    When truncation cuts the completion, the steps it cut are left out with their labels."""
+    text = TokenText(tokenizer)
+
+    def make(row, encoder):
+        prompt, steps, labels = check_stepwise(row, separator)
+        joined = separator.join(steps)
+        encoded = encoder.pair(prompt, joined, row.where, "completions")
+        if encoded is None:
+            return None, False, _dropped_reason(encoder)
+        pieces = text(encoded.completion_ids)
+        whole = encoder.completion(prompt, joined, row.where, "completions") if encoded.truncated else None
+        if whole is not None and len(whole) > len(encoded.completion_ids):  # cut: its complete steps only
+            ends = separator_ends(pieces, separator)[: len(steps) - 1]
+            if not ends:
+                return None, False, "no complete step left after truncation"
+            return StepwiseExample(encoded.prompt_ids, encoded.completion_ids, ends, labels[: len(ends)]), True, ""
+        ends = step_end_tokens(pieces, separator)
+        if len(ends) != len(steps):
+            raise DataError(
+                row.where,
+                "completions",
+                f"the encoded response holds {len(ends)} step ends for {len(steps)} steps: the chat template writes "
+                f"the step separator {separator!r} into the reply; use data.chat_template=never or another separator",
+            )
+        return StepwiseExample(encoded.prompt_ids, encoded.completion_ids, ends, labels), encoded.truncated, ""
+
+    return _build(config, tokenizer, source, make, StepwiseExample)
 
 
 def load_prompts(config: DataConfig, tokenizer, source=None) -> tuple[list[PromptExample], DataReport]:

@@ -11,6 +11,7 @@ One JSON object per row; text fields hold a string or a list of ``{"role", "cont
     implicit preference    chosen, rejected             dpo, rm: their shared start is the prompt
     ranking                prompt, responses            rm: [best, ..., worst], K ≥ 2, all different
     unpaired preference    prompt, completion, label    kto: label true (desirable) or false (undesirable)
+    stepwise supervision   prompt, completions, labels  prm: a solution's steps, each labelled true (correct) or false
 
 A ``messages`` conversation must end with the assistant's turn; with one assistant turn it is the
 prompt-completion pair (prompt = the messages before it), with several every one is trained
@@ -165,6 +166,7 @@ def _text_or_messages(row: Row, field: str, *, assistant_last: bool = False) -> 
 
 
 UNPAIRED_COLUMNS = {"prompt", "completion", "label"}
+STEPWISE_COLUMNS = {"completions", "labels"}
 
 
 def reject_unpaired(data: dict, where: str) -> None:
@@ -211,6 +213,7 @@ KINDS = {
     "ranking": ("ranking rows (prompt/responses)", "posttrain rm"),
     "prompt": ("prompt rows (prompt and reward columns)", "posttrain grpo and posttrain ppo"),
     "unpaired": ("unpaired preference rows (prompt/completion/label)", "posttrain kto"),
+    "stepwise": ("step-labelled rows (prompt/completions/labels)", "posttrain prm"),
 }
 _READ_BY_RM = "preference rows (prompt/chosen/rejected) or ranking rows (prompt/responses)"
 
@@ -218,6 +221,8 @@ _READ_BY_RM = "preference rows (prompt/chosen/rejected) or ranking rows (prompt/
 def row_kind(data: dict) -> str | None:
     """The dataset kind (a key of ``KINDS``) that a row's columns point to, None when they point to none."""
     keys = data.keys()
+    if STEPWISE_COLUMNS <= keys:
+        return "stepwise"
     if UNPAIRED_COLUMNS <= keys:
         return "unpaired"
     if {"chosen", "rejected"} <= keys:
@@ -350,3 +355,29 @@ def check_unpaired(row: Row) -> tuple[str | list[dict], str | list[dict], bool]:
     if not isinstance(label, bool):
         raise DataError(row.where, "label", f"must be true (desirable) or false (undesirable), got {label!r}")
     return prompt, completion, label
+
+
+def check_stepwise(row: Row, separator: str) -> tuple[str | list[dict], list[str], list[bool]]:
+    """(prompt, steps, labels) of a step-labelled row (TRL's stepwise supervision type, Math-Shepherd's and
+    PRM800K's form): ``completions`` the solution's steps in order, ``labels`` one JSON boolean per step, true
+    for a correct step. A step may not hold ``separator``, which joins the steps into one response."""
+    prompt = _required(row, "prompt", "stepwise")
+    _refuse_other_kind(row, "completions", "stepwise")
+    steps, labels = row.data.get("completions"), row.data.get("labels")
+    if not isinstance(steps, list) or not steps:
+        raise DataError(row.where, "completions", "needs a non-empty list of steps (strings), in order")
+    for j, step in enumerate(steps):
+        if not isinstance(step, str) or not step.strip():
+            raise DataError(row.where, f"completions[{j}]", f"a step must be non-empty text, got {step!r}")
+        _unicode(row, f"completions[{j}]", step)
+        if separator in step:
+            raise DataError(
+                row.where, f"completions[{j}]", f"holds the step separator {separator!r}, which joins the steps"
+            )
+    if not isinstance(labels, list) or len(labels) != len(steps):
+        got = f"{len(labels)} labels" if isinstance(labels, list) else repr(labels)
+        raise DataError(row.where, "labels", f"needs one label per step (true/false): {len(steps)} steps, got {got}")
+    for j, label in enumerate(labels):
+        if not isinstance(label, bool):
+            raise DataError(row.where, f"labels[{j}]", f"must be true (a correct step) or false, got {label!r}")
+    return prompt, steps, labels

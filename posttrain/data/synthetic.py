@@ -7,8 +7,15 @@
 - ``vowel_pairs``: the same as preference pairs (the best and the worst of each ranking).
 - ``calculator_products``: products of a 3–4-digit and a 2-digit number as calculator episodes
   (``env.name=calculator``): SFT conversations that call the tool and copy its answer, and prompt rows.
+- ``vowel_counts``: ``{"prompt": "v:qazeu=", "completion": "3"}``, the number of vowels in a short string (a
+  second task beside the sums: distillation from several teachers), optionally from a noisy demonstrator.
 - ``arithmetic_pairs``: sums as preference pairs, the right sum chosen and one off by one rejected;
   ``unpaired`` splits pairs into KTO's unpaired rows (a desirable and an undesirable completion).
+- ``stepwise_sums``: sums of a few numbers solved step by step, each step labelled (a process reward
+  model's rows), some with one wrong step; ``stepwise_as_sft`` makes them SFT rows.
+- ``a_strings``: ``{"prompt": "597:", "completion": "acaaaaba"}``, strings of a, b and c with a uniform number
+  of a's: a model SFT'd on them gives K answers of different quality under the rule "more a's is better" (the
+  hidden rule of the human-feedback loop's scripted labeller).
 """
 
 from __future__ import annotations
@@ -59,6 +66,21 @@ def vowel_count(text: str) -> int:
     return sum(c in VOWELS for c in text)
 
 
+def vowel_counts(n: int, seed: int = 0, length: int = 5, noise: float = 0.0) -> list[dict]:
+    """``{"prompt": "v:qazeu=", "completion": "3", "answer": "3"}``: how many vowels a random lower-case string
+    of ``length`` letters holds (letters drawn half from the vowels, so every count occurs). With probability
+    ``noise`` the demonstrated count is off by one, as ``arithmetic_sft``'s; ``answer`` is always the true count."""
+    rng = random.Random(seed)
+    consonants = [c for c in string.ascii_lowercase if c not in VOWELS]
+    rows = []
+    for _ in range(n):
+        text = "".join(rng.choice(sorted(VOWELS) if rng.random() < 0.5 else consonants) for _ in range(length))
+        count = vowel_count(text)
+        shown = count + (1 if rng.random() < noise else 0)
+        rows.append({"prompt": f"v:{text}=", "completion": str(shown), "answer": str(count)})
+    return rows
+
+
 def vowel_rankings(n: int, k: int = 4, length: int = 8, seed: int = 0) -> list[dict]:
     """Rankings of ``k`` strings with distinct vowel counts, best (most vowels) first."""
     rng = random.Random(seed)
@@ -100,4 +122,55 @@ def unpaired(pairs: list[dict]) -> list[dict]:
     for pair in pairs:
         rows.append({"prompt": pair["prompt"], "completion": pair["chosen"], "label": True})
         rows.append({"prompt": pair["prompt"], "completion": pair["rejected"], "label": False})
+    return rows
+
+
+def stepwise_sums(
+    n: int, seed: int = 0, terms: int = 3, low: int = 0, high: int = 9, error_rate: float = 0.5, error_size: int = 1
+) -> list[dict]:
+    """Sums solved step by step, as step-labelled rows (TRL's stepwise supervision type) with the true sum in
+    ``answer``: ``{"prompt": "3+4+2=", "completions": ["3+4=7", "7+2=9"], "labels": [true, true], "answer": "9"}``.
+
+    With probability ``error_rate`` one step, chosen at random, writes its sum off by ``error_size`` (down or up
+    at random; up where down would go below 0); the steps after it add to that wrong total correctly. A large
+    ``error_size`` (10 on single-digit sums) makes a wrong step visible without arithmetic (a fast test).
+    Labelled as Math-Shepherd labels (Wang et al. 2024): a step is correct
+    when the right answer can still be reached from it, so the wrong step and every step after it are false."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        numbers = [rng.randint(low, high) for _ in range(terms)]
+        wrong = rng.randrange(terms - 1) if rng.random() < error_rate else None
+        total, steps, labels = numbers[0], [], []
+        for k, b in enumerate(numbers[1:]):
+            result = total + b
+            if k == wrong:
+                result += error_size if result < error_size or rng.random() < 0.5 else -error_size
+            steps.append(f"{total}+{b}={result}")
+            labels.append(wrong is None or k < wrong)
+            total = result
+        prompt = "+".join(map(str, numbers)) + "="
+        rows.append({"prompt": prompt, "completions": steps, "labels": labels, "answer": str(sum(numbers))})
+    return rows
+
+
+def stepwise_as_sft(rows: list[dict], separator: str = "\n") -> list[dict]:
+    """``stepwise_sums`` rows as SFT rows {prompt, completion, answer}: the steps joined by ``separator`` (a
+    demonstrator whose wrong steps SFT copies), and prompt rows for GRPO / PPO keep the ``answer``."""
+    return [
+        {"prompt": r["prompt"], "completion": separator.join(r["completions"]), "answer": r["answer"]} for r in rows
+    ]
+
+
+def a_strings(n: int, seed: int = 0, length: int = 8) -> list[dict]:
+    """SFT rows ``{"prompt": "<number 0-999>:", "completion": <length letters>}``: a number of a's drawn
+    uniformly from 0..length, the other letters b or c, shuffled. Samples of a model trained on them differ
+    in their count of a's, so a rule on that count ranks them (tests/test_feedback_loop.py)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        count = rng.randint(0, length)
+        letters = ["a"] * count + [rng.choice("bc") for _ in range(length - count)]
+        rng.shuffle(letters)
+        rows.append({"prompt": f"{rng.randint(0, 999)}:", "completion": "".join(letters)})
     return rows

@@ -14,7 +14,9 @@ from posttrain.models.loading import (
 )
 from posttrain.models.roles import (
     CRITIC_INITS,
+    PROCESS_REWARD_KEY,
     PolicyWithValueHead,
+    ProcessScorer,
     Reference,
     RewardScorer,
     ValueModel,
@@ -23,6 +25,7 @@ from posttrain.models.roles import (
     is_peft_model,
     load_critic,
     load_policy,
+    load_process_reward_model,
     load_reward_model,
     prompt_cached_logprobs,
     response_logits,
@@ -32,6 +35,7 @@ from posttrain.models.roles import (
     shared_prefix_logprobs,
     shared_prefix_scores,
     shared_prefix_unsupported,
+    token_scores,
     token_values,
 )
 
@@ -40,6 +44,10 @@ __all__ = [
     "checkpointing_on",
     "unwrap_model",
     "CRITIC_INITS",
+    "PROCESS_REWARD_KEY",
+    "ProcessScorer",
+    "load_process_reward_model",
+    "token_scores",
     "ModelConfig",
     "PolicyWithValueHead",
     "Reference",

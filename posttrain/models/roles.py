@@ -199,6 +199,14 @@ def token_values(
     return _score_head(model)(hidden).squeeze(-1).float()
 
 
+def token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A token classifier's one logit at every position, [B, L] float32: a process reward model's score of
+    the text up to and including token i (its head reads the hidden state at i, which has seen the step
+    that token i ends). input_ids, attention_mask: [B, L], any padding side."""
+    hidden = _hidden_states(model, input_ids, attention_mask)  # [B, L, H]
+    return _score_head(model)(hidden).squeeze(-1).float()
+
+
 # --------------------------------------------------------------------------------------------------
 # Shared-prefix packing: a prompt once, then all of its responses, in one row (core.packing)
 # --------------------------------------------------------------------------------------------------
@@ -410,6 +418,13 @@ class ValueModel(_ScalarRole):
         return token_values(self.model, input_ids, attention_mask, response_length)
 
 
+class ProcessScorer(_ScalarRole):
+    """``forward(input_ids, attention_mask)`` = ``token_scores`` of a process reward model, [B, L]."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return token_scores(self.model, input_ids, attention_mask)
+
+
 # --------------------------------------------------------------------------------------------------
 # Policy and reference
 # --------------------------------------------------------------------------------------------------
@@ -562,6 +577,24 @@ def load_reward_model(config: ModelConfig) -> nn.Module:
     return model
 
 
+PROCESS_REWARD_KEY = "process_reward"  # a PRM's config.json entry: {"step_separator": ...}, written by posttrain prm
+
+
+def load_process_reward_model(path: str, device: str) -> nn.Module:
+    """A frozen process reward model as ``posttrain prm`` writes it: a *ForTokenClassification (num_labels=1,
+    dropout off) whose config.json names its step separator (``process_reward``); score with ``token_scores``."""
+    what = "process_reward_model.path"
+    model = load_scalar_model(ModelConfig(path=path, device=device), "value", new_head=False, what=what)
+    if not isinstance(getattr(model.config, PROCESS_REWARD_KEY, None), dict):
+        raise ValueError(
+            f"{what}={path}: not a process reward model (its config.json has no {PROCESS_REWARD_KEY!r} entry); "
+            "posttrain prm writes one, to RUN/final/process_reward"
+        )
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
 def check_reward_critic(reward: ModelConfig) -> None:
     """Refuse a critic started from a LoRA reward model (an adapter folder): transformers loads the
     adapter frozen, so the critic would train its score head alone, and saving it needed a newer peft
@@ -619,21 +652,28 @@ class PolicyWithValueHead(nn.Module):
         entropy_grad: bool = False,
     ):
         """(logprobs [B, T], values [B, T], entropy [B, T] or None) of the response tokens."""
-        out = self.policy(
+        out = self.backbone(input_ids, attention_mask)
+        logits = out.logits[:, -response_length - 1 : -1]
+        logprobs = token_logprobs(logits, input_ids[:, -response_length:], temperature=temperature)
+        values = self.head_values(out.hidden_states[-1][:, -response_length - 1 : -1])
+        entropy = None
+        if with_entropy:
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
+        return logprobs, values, entropy
+
+    def backbone(self, input_ids, attention_mask):
+        """The policy's forward with its hidden states: the logits and the value head's input in one pass."""
+        return self.policy(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids_from_mask(attention_mask),
             use_cache=False,
             output_hidden_states=True,
         )
-        logits = out.logits[:, -response_length - 1 : -1]
-        logprobs = token_logprobs(logits, input_ids[:, -response_length:], temperature=temperature)
-        hidden = out.hidden_states[-1][:, -response_length - 1 : -1]
-        values = self.v_head(hidden.to(self.v_head.weight.dtype)).squeeze(-1).float()
-        entropy = None
-        if with_entropy:
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature=temperature)
-        return logprobs, values, entropy
+
+    def head_values(self, hidden):
+        """V(s_t) [B, T] from the last hidden states [B, T, H] of the positions that predict the response tokens."""
+        return self.v_head(hidden.to(self.v_head.weight.dtype)).squeeze(-1).float()
 
     def save_pretrained(self, path, state_dict: dict | None = None, **kwargs) -> None:
         from safetensors.torch import save_file

@@ -3,7 +3,10 @@
 Plots are matplotlib figures written inline as SVG (nothing is fetched when the file is opened):
 training reward and held-out evaluation, KL, response length, entropy, clip fraction, value loss and
 explained variance, time per phase, and a timeline of the alerts in steps; then the alerts with their
-causes and remedies, and sample completions at several steps with their scores. Several runs are
+causes and remedies, and sample completions at several steps with their scores; beside the automatic
+evaluation, a "Human comparison" table of every blind A/B task found in a run's ``human/*/stats.json`` or
+named with ``--human TASK`` (``posttrain label stats`` writes that file; read here as plain JSON, the
+monitor layer never imports the labelling code). Several runs are
 overlaid, one colour each; where runs of different algorithms plot on different scales (GRPO's 0–1
 reward beside PPO's −5…10) each algorithm gets its own y-axis, one stacked subplot each, so that
 neither curve is flattened. An alert is marked on the curves of the run that raised it only. A panel
@@ -23,6 +26,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from posttrain.errors import UserError
 from posttrain.monitor.alerts import read_alerts
 from posttrain.monitor.records import read_records
 
@@ -369,8 +373,80 @@ pre { margin: 0; white-space: pre-wrap; max-width: 40em; }
 """
 
 
-def build_report(run_dirs: list[str | Path]) -> str:
-    """The HTML text of the report of ``run_dirs``."""
+def human_stats(
+    run_dirs: list[str | Path], human: list[str | Path] = (), unreadable: dict[Path, str] | None = None
+) -> list[tuple[Path, dict]]:
+    """(task folder, its stats.json) of each compare task in ``<run>/human/*/`` and in ``human``; a task
+    named in ``human`` must have a stats.json of a compare task, those found in runs are skipped otherwise.
+    ``unreadable``: run folders' tasks that could not be read (folder -> why), left out; a run's task whose
+    stats.json is not JSON is added to it."""
+    named = [Path(h) for h in human]
+    unreadable = {} if unreadable is None else unreadable
+    found: dict[Path, tuple[Path, dict]] = {}
+    for folder in [p for run in run_dirs for p in sorted((Path(run) / "human").glob("*")) if p.is_dir()] + named:
+        path = folder / "stats.json"
+        if folder in unreadable and folder not in named:
+            continue
+        if not path.is_file():
+            if folder in named:
+                raise FileNotFoundError(f"{folder}: no stats.json (write it with posttrain label stats {folder})")
+            continue
+        try:
+            stats = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            if folder in named:
+                raise UserError(f"{path}: not valid JSON ({err})") from err
+            unreadable[folder] = f"{path}: not valid JSON ({err})"
+            continue
+        if stats.get("mode") != "compare":
+            if folder in named:
+                raise UserError(f"{folder}: a {stats.get('mode')} task; the report shows compare tasks (A/B) only")
+            continue
+        found.setdefault(folder.resolve(), (folder, stats))  # a run's task also named with --human: once
+    return list(found.values())
+
+
+def _share(value, ci=None) -> str:
+    if value is None:
+        return "—"
+    text = f"{value:.3f}"
+    return text if ci is None or ci[0] is None else f"{text} [{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def _human_table(tasks: list[tuple[Path, dict]], unreadable: dict[Path, str]) -> str:
+    """One row per compare task: models, n, A's win rate with and without ties, ties, position bias; then a
+    line per task that could not be read."""
+    rows = []
+    for folder, stats in tasks:
+        c, models = stats["compare"], stats.get("models", {})
+        bias = " <b>position bias</b>" if c["position_bias"] else ""
+        rows.append(
+            f"<tr><td>{html.escape(str(folder))}</td><td>A = {html.escape(str(models.get('A')))}<br>"
+            f"B = {html.escape(str(models.get('B')))}</td><td>{c['n']}</td>"
+            f"<td>{_share(c['win_rate'], c['win_rate_ci'])}</td>"
+            f"<td>{_share(c['win_rate_decisive'], c['win_rate_decisive_ci'])}</td>"
+            f"<td>{c['ties']} ({_share(c['tie_share'])})</td>"
+            f"<td>{_share(c['left_share'], c['left_share_ci'])}{bias}</td>"
+            f"<td>{len(stats.get('labellers', {}))}</td></tr>"
+        )
+    head = (
+        "<tr><th>task</th><th>models</th><th>n</th><th>win rate of A, ties as half [95 % CI]</th>"
+        "<th>without ties [95 % CI]</th><th>ties</th><th>left side's share of wins [95 % CI]</th>"
+        "<th>labellers</th></tr>"
+    )
+    return (
+        '<h2 id="human">Human comparison</h2><p>Blind A/B judgements by people (posttrain label, compare mode); '
+        "Wilson intervals. A left share whose interval leaves out 0.5 means the side shown, not the answer, "
+        f"decided.</p><table>{head}{''.join(rows)}</table>"
+        + "".join(f"<p>A task could not be read: {html.escape(why)}</p>" for why in unreadable.values())
+    )
+
+
+def build_report(
+    run_dirs: list[str | Path], human: list[str | Path] = (), unreadable: dict[Path, str] | None = None
+) -> str:
+    """The HTML text of the report of ``run_dirs`` and of the compare tasks in ``human`` (task folders);
+    ``unreadable``: the runs' tasks that could not be read (folder -> why), said in the human section."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -385,6 +461,10 @@ def build_report(run_dirs: list[str | Path]) -> str:
     plots = "".join(f'<figure class="plot">{svg}</figure>' for svg in figures if svg is not None)
     sections = [f"<h1>posttrain report: {html.escape(', '.join(r.name for r in runs))}</h1>"]
     sections += [f"<p>{_summary(run)}</p>" for run in runs]
+    unreadable = dict(unreadable or {})
+    tasks = human_stats(paths, human, unreadable)
+    if tasks or unreadable:
+        sections.append(_human_table(tasks, unreadable))
     sections += [f'<div class="grid">{plots}</div>', "<h2>Alerts</h2>", _alert_table(runs)]
     for run in runs:
         sections.append(f"<h2>Samples: {html.escape(run.name)}</h2>")
@@ -398,12 +478,17 @@ def build_report(run_dirs: list[str | Path]) -> str:
     )
 
 
-def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+def write_report(
+    run_dirs: list[str | Path],
+    out: str | Path | None = None,
+    human: list[str | Path] = (),
+    unreadable: dict[Path, str] | None = None,
+) -> Path:
     """Write the report of ``run_dirs`` to ``out`` (default: report.html in the run folder, or in the folder
     holding all the runs, runs/demo for runs/demo/sft and runs/demo/grpo; else ./report.html); returns its
     absolute path."""
     out = Path(out) if out else default_report_path(run_dirs)
-    html = build_report(run_dirs)  # first: a wrong run folder is said before anything is created
+    html = build_report(run_dirs, human, unreadable)  # first: a wrong run folder is said before anything is created
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(html, encoding="utf-8")
     return out.resolve()

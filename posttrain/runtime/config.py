@@ -180,15 +180,42 @@ def check_choice(name: str, value, allowed) -> None:
 
 def check_policy_loss(policy_loss: str, clip_low: float, clip_high: float | None, allowed) -> None:
     """``policy_loss`` is one of ``allowed`` and its clip range holds: clip_low in (0, 1), clip_high > 0 or
-    null; cispo clips a weight, which may have no lower bound (any clip_low ≥ 1, since a ratio is > 0)."""
+    null; cispo clips a weight, which may have no lower bound (any clip_low ≥ 1, since a ratio is > 0); gmpo
+    clips the log-ratio, so any clip_low > 0 keeps the ratio above e^−clip_low > 0. sapo has no clip range
+    (``check_sapo_knobs``)."""
     check_choice("policy_loss", policy_loss, allowed)
-    cispo = policy_loss == "cispo"
-    if not 0 < clip_low < (math.inf if cispo else 1) or (clip_high is not None and clip_high <= 0):
-        low = "> 0 (≥ 1: no lower bound on the weight)" if cispo else "in (0, 1)"
+    unbounded = {"cispo": " (≥ 1: no lower bound on the weight)", "gmpo": " (log space: the ratio ≥ e^-clip_low)"}
+    if policy_loss == "sapo":
+        return
+    if not 0 < clip_low < (math.inf if policy_loss in unbounded else 1) or (clip_high is not None and clip_high <= 0):
+        low = "> 0" + unbounded[policy_loss] if policy_loss in unbounded else "in (0, 1)"
         raise ValueError(
             f"clip_low must be {low} and clip_high > 0 or null with policy_loss={policy_loss}, "
             f"got clip_low={clip_low}, clip_high={clip_high}"
         )
+
+
+def check_sapo_knobs(config) -> None:
+    """SAPO's gate has two temperatures (``tau_pos``, ``tau_neg`` > 0) and no clip range; every other policy
+    loss has a clip range and no temperatures. A knob the chosen loss does not read, set to anything but its
+    default, fails at start instead of being ignored. ``config``: a trainer config with those four fields."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    sapo = config.policy_loss == "sapo"
+    if sapo and not (config.tau_pos > 0 and config.tau_neg > 0):
+        raise ValueError(
+            f"tau_pos and tau_neg must be > 0 with policy_loss=sapo, got tau_pos={config.tau_pos}, "
+            f"tau_neg={config.tau_neg}"
+        )
+    for name in ("clip_low", "clip_high") if sapo else ("tau_pos", "tau_neg"):
+        if getattr(config, name) != defaults[name]:
+            why = (
+                "SAPO's soft gate has no clip range (tau_pos and tau_neg set how fast it closes)"
+                if sapo
+                else f"{name} is a temperature of policy_loss=sapo's gate"
+            )
+            raise ValueError(
+                f"{name}={getattr(config, name)} is not used by policy_loss={config.policy_loss}: {why}; leave it unset"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,6 +280,9 @@ def _convert(value: Any, annotation, where: str, default: Any = None):
             value = _parse_value(value, where)
         if not isinstance(value, dict):
             raise ValueError(f"{where} must be a mapping")
+        item = (typing.get_args(annotation) or (None, None))[-1]
+        if dataclasses.is_dataclass(item):  # {name: section}, e.g. distillation's teachers
+            return {str(k): _convert(v, item, f"{where}.{k}") for k, v in value.items()}
         return dict(value)
     if annotation is bool:
         if isinstance(value, bool):

@@ -35,8 +35,13 @@ from posttrain.rewards import load_reward_function
 from posttrain.runtime.runlock import LOCK_FILE, locked_run_dir
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_FINAL = re.compile(r"^(?P<run>.*?)/?final/(?P<role>policy|reward|critic)/?$")
-_PRODUCER = {"policy": "posttrain sft (or dpo, grpo, ppo)", "reward": "posttrain rm", "critic": "posttrain ppo"}
+_FINAL = re.compile(r"^(?P<run>.*?)/?final/(?P<role>policy|reward|critic|process_reward)/?$")
+_PRODUCER = {
+    "policy": "posttrain sft (or dpo, grpo, ppo)",
+    "reward": "posttrain rm",
+    "critic": "posttrain ppo",
+    "process_reward": "posttrain prm",
+}
 SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 _WORLD_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
@@ -138,7 +143,8 @@ VLLM_LORA_FSDP = (
 def check_engines(config) -> None:
     """The packages of the engines asked for are installed: DeepSpeed for an accelerate DeepSpeed config
     (``ACCELERATE_USE_DEEPSPEED``), vLLM for ``rollout.engine=vllm`` in the training process (imported
-    only once the models are loaded); and a LoRA policy is not handed to a colocated vLLM under FSDP2."""
+    only once the models are loaded); and a LoRA policy is not handed to a colocated vLLM under FSDP2, nor
+    several distillation teachers to a sharding engine."""
     from posttrain.runtime.engines import deepspeed_requested, fsdp_requested
 
     if deepspeed_requested() and not _installed("deepspeed"):
@@ -154,6 +160,13 @@ def check_engines(config) -> None:
         raise UserError(
             "rollout.async_steps under FSDP2 or DeepSpeed ZeRO-3: the producer needs the policy whole in each "
             "process, and building its copy from shards is not built; use plain DDP or ZeRO-2"
+        )
+    teachers = vars(config).get("teachers") or {}  # distillation's several teachers
+    if len(teachers) > 1 and sharded:
+        raise UserError(
+            f"teachers ({len(teachers)}) under FSDP2 or DeepSpeed ZeRO-3: a sharded teacher needs every process to "
+            "run its forward equally often, and each process's rows name other teachers; use plain DDP or ZeRO-1/2 "
+            "(each process holds every teacher whole), or one teacher"
         )
     if rollout is None or rollout.engine != "vllm" or rollout.mode != "colocate":
         return
@@ -261,11 +274,11 @@ def resolve_gguf_paths(config) -> None:
 
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if isinstance(value, ModelConfig):
-            value.path = as_checkpoint(value.path) if value.path else value.path
-            if value.tokenizer_path:
-                value.tokenizer_path = as_checkpoint(value.tokenizer_path)
-        elif f.name in ("reference_path", "normalize_policy") and isinstance(value, str) and value:
+        for _, section in _model_sections(f.name, value):
+            section.path = as_checkpoint(section.path) if section.path else section.path
+            if section.tokenizer_path:
+                section.tokenizer_path = as_checkpoint(section.tokenizer_path)
+        if f.name in ("reference_path", "normalize_policy") and isinstance(value, str) and value:
             setattr(config, f.name, as_checkpoint(value))
 
 
@@ -273,12 +286,24 @@ def _model_paths(config):
     """(field, path, kind, revision) of every model, tokenizer and reference path a config names."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if isinstance(value, ModelConfig):
-            yield f"{f.name}.path", value.path, "model", value.revision
-            if value.tokenizer_path:
-                yield f"{f.name}.tokenizer_path", value.tokenizer_path, "tokenizer", value.revision
-        elif f.name in ("reference_path", "normalize_policy") and value:
+        for name, section in _model_sections(f.name, value):
+            yield f"{name}.path", section.path, "model", section.revision
+            if section.tokenizer_path:
+                yield f"{name}.tokenizer_path", section.tokenizer_path, "tokenizer", section.revision
+        if f.name in ("reference_path", "normalize_policy") and value:
             yield f.name, value, "model", None
+        if f.name == "process_reward_model" and value is not None and value.path:
+            yield "process_reward_model.path", value.path, "model", None
+
+
+def _model_sections(name: str, value) -> list:
+    """[(key, section)] of the field ``name`` holding ``value``: a ``ModelConfig``, or each of a mapping of them
+    (distillation's ``teachers``: teachers.NAME)."""
+    if isinstance(value, ModelConfig):
+        return [(name, value)]
+    if isinstance(value, dict):
+        return [(f"{name}.{k}", v) for k, v in value.items() if isinstance(v, ModelConfig)]
+    return []
 
 
 def _looks_like_hub_id(path: str) -> bool:
@@ -501,7 +526,8 @@ def cap_to_context(config) -> None:
     paths = [config.model.path] + [
         section.path
         for f in dataclasses.fields(config)
-        if f.name != "model" and isinstance(section := getattr(config, f.name), ModelConfig)
+        if f.name != "model"
+        for _, section in _model_sections(f.name, getattr(config, f.name))
     ]
     contexts = [c for c in (model_context(p) for p in paths) if c is not None]
     if not contexts:

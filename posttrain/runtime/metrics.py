@@ -75,9 +75,15 @@ class MetricsLogger:
 
             self._bar = tqdm(total=progress_total, desc=run_name or "train", dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict[str, float], keys_for_bar: tuple[str, ...] = ()) -> None:
+    def log(
+        self, step: int, metrics: dict[str, float], keys_for_bar: tuple[str, ...] = (), series_step: int | None = None
+    ) -> None:
+        """One record at ``step``. ``series_step``: the metrics' x in TensorBoard and MLflow instead, whose series
+        are per metric (PPO's value pretraining: −N … −1, before its steps); W&B and trackio keep one row per
+        step, which must increase: they take ``step``, as the JSONL record does."""
         if not self.enabled:
             return
+        x = step if series_step is None else series_step
         record = {"step": step, "time": round(time.perf_counter() - self._start, 3)}
         record.update({k: (float(v) if v is not None else None) for k, v in metrics.items()})
         if self._file is not None:
@@ -87,11 +93,11 @@ class MetricsLogger:
             if value is None or not math.isfinite(float(value)):
                 continue
             if self._tb is not None:
-                self._tb.add_scalar(key, float(value), step)
+                self._tb.add_scalar(key, float(value), x)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         if self._mlflow is not None:
-            self._mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None}, step=step)
+            self._mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None}, step=x)
         if self._trackio is not None:
             self._trackio.log({k: float(v) for k, v in metrics.items() if v is not None}, step=step)
         step_values = {k: f"{metrics[k]:.4g}" for k in keys_for_bar if metrics.get(k) is not None}

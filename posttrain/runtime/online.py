@@ -244,6 +244,10 @@ class OnlineTrainer:
         """One rollout batch: (metrics, rollout, scores [B]); rollout None = nothing to train on."""
         raise NotImplementedError
 
+    def before_first_step(self) -> None:
+        """What a fresh run does before its first update, after the held-out evaluation of the starting policy
+        (PPO: value pretraining); a resumed run did it before its checkpoint."""
+
     def logprobs_of(self, rollout: Rollout, rows: slice) -> torch.Tensor:
         """The policy's training forward: log-probs [b, T] of the response tokens of ``rows``."""
         return policy_logprobs(self.actor.model, rollout, rows, self.accelerator.device, shared=self.shared)[0]
@@ -283,6 +287,7 @@ class OnlineTrainer:
         self.sync_weights()  # a resumed policy is not the checkpoint the engine loaded
         if start_step == 0:
             self.evaluate_at_start()
+            self.before_first_step()
         threads = torch.get_num_threads()
         try:
             self.start_producer(start_step, state)

@@ -125,6 +125,23 @@ def stops_at_once(run_name: str, phase: str):
             signal.signal(sig, handler)
 
 
+def stop_before_first_step(accelerator, run_name: str, phase: str) -> None:
+    """Between the steps of ``phase``, a pass before step 1 run inside a loop's handlers (PPO's value pretraining):
+    when a stop signal came (on any process: collective), one line saying that nothing was saved and the run
+    starts over, then ``TrainingInterrupted`` (exit 128 + the signal)."""
+    signum = signalled(accelerator)
+    if signum is None:
+        return
+    name = signal.Signals(signum).name
+    message = (
+        f"[{run_name}] stopped by {name} during {phase}, before step 1: nothing was saved; "
+        f"run the same command again to start over, {phase} included"
+    )
+    if accelerator.is_main_process:
+        print(message, file=sys.stderr, flush=True)
+    raise TrainingInterrupted(signum, None, message)
+
+
 def signalled(accelerator) -> int | None:
     """The signal that asked the run to stop (on any process), or None. Collective under several processes:
     call it at the same point of every step on every process."""

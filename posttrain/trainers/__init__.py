@@ -7,6 +7,7 @@ name the trainer of a saved config."""
 TRAINERS = {
     "sft": ("posttrain.trainers.sft", "SFTConfig", "supervised fine-tuning on completion tokens"),
     "rm": ("posttrain.trainers.rm", "RMConfig", "reward model from preference pairs or K-way rankings"),
+    "prm": ("posttrain.trainers.prm", "PRMConfig", "process reward model from step-labelled solutions"),
     "dpo": ("posttrain.trainers.dpo", "DPOConfig", "direct preference optimization (and SimPO, ORPO)"),
     "kto": ("posttrain.trainers.kto", "KTOConfig", "KTO on unpaired desirable / undesirable completions"),
     "ppo": ("posttrain.trainers.ppo", "PPOConfig", "RLHF-PPO: policy, reference, reward model and critic"),

@@ -8,20 +8,23 @@
 Interface: ``policy_forward`` (the policy's training forward: log-probs, values or None, entropy),
 ``values`` (V(s_t) of rollout rows, for GAE), ``joint_loss`` (what the critic adds to the policy's
 loss), ``step`` (its own optimizer step on a minibatch: its updates for ``StepStats`` and its numbers),
-``models_to_save`` and ``nonfinite_skips``.
+``pretrain_step`` (a step of VC-PPO's value pretraining, the policy untouched), ``models_to_save`` and
+``nonfinite_skips``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from posttrain.core import aggregate_loss, value_loss
+from posttrain.errors import UserError
 from posttrain.models import PolicyWithValueHead, ValueModel, load_critic
 from posttrain.rollout import Rollout
 from posttrain.runtime import engines
-from posttrain.runtime.loop import NonFiniteGuard, build_optimizer
+from posttrain.runtime.loop import NonFiniteGuard, build_optimizer, global_sums
 from posttrain.runtime.online import policy_logprobs
 from posttrain.runtime.update import MinibatchUpdate, Optimized
 
@@ -88,6 +91,10 @@ class SeparateCritic:
             update.backward(micro, loss, stats)
         return (update,), {"critic_grad_norm": update.step(step)}
 
+    def pretrain_step(self, step: int, batch: PPOBatch) -> tuple[tuple[MinibatchUpdate, ...], dict[str, float]]:
+        """Value pretraining: the critic's own step, as during PPO (its optimizer and schedule go on from there)."""
+        return self.step(step, batch)
+
     def models_to_save(self) -> dict[str, torch.nn.Module]:
         return {"critic": self.model}
 
@@ -101,6 +108,17 @@ class SharedValueHead:
 
     def __init__(self, accelerator, config, actor_model):
         self.accelerator, self.config, self.actor_model = accelerator, config, actor_model
+        self.head = None  # the value head alone, with an optimizer of its own, for value pretraining
+        if config.value_pretrain_steps:
+            if engines.is_deepspeed(accelerator) or engines.is_fsdp(accelerator):
+                raise UserError(
+                    "value_pretrain_steps with critic=shared trains the value head alone, outside the engine's "
+                    "wrapper, and DeepSpeed / FSDP2 shard it: use critic=reward or critic=policy, or DDP"
+                )
+            head = accelerator.unwrap_model(actor_model).v_head
+            optim = replace(config.optim, lr=config.critic_lr or 10 * config.optim.lr, scheduler="constant")
+            optimizer, _ = build_optimizer(head.parameters(), optim, config.value_pretrain_steps)
+            self.head = Optimized(head, optimizer, None, NonFiniteGuard(accelerator, config.run, "value_head"), None)
 
     def policy_forward(self, rollout: Rollout, rows: slice, with_entropy=False, entropy_grad=False):
         """(log-probs [b, T], values [b, T], entropy [b, T] or None) of ``rows`` from one forward."""
@@ -124,6 +142,41 @@ class SharedValueHead:
 
     def step(self, step: int, batch: PPOBatch) -> tuple[tuple, dict[str, float]]:
         return (), {}  # stepped with the policy
+
+    def pretrain_step(self, step: int, batch: PPOBatch) -> tuple[tuple[MinibatchUpdate, ...], dict[str, float]]:
+        """Value pretraining of the head alone: the backbone is the policy, which stays frozen, so the head
+        fits the clipped value loss on the backbone's detached last hidden states, stepped by an AdamW of its
+        own (lr critic_lr, null = 10 × optim.lr); PPO's one optimizer then starts from the pretrained head."""
+        cfg, model = self.config, self.accelerator.unwrap_model(self.actor_model)
+        update = MinibatchUpdate(self.accelerator, self.head, batch.mask, cfg.loss_agg, cfg.run.micro_batch_size)
+        rollout, device = batch.rollout, self.accelerator.device
+        for micro in update:
+            # under accelerate's autocast, as the wrapped forward PPO reads values from: the head fits those values
+            with self.accelerator.autocast():
+                with torch.no_grad():
+                    ids, attention = rollout.input_ids[micro.rows], rollout.attention_mask[micro.rows]
+                    out = model.backbone(ids.to(device), attention.to(device))
+                values = model.head_values(out.hidden_states[-1][:, -rollout.response_length - 1 : -1])
+            loss, stats = value_objective(cfg, values, batch, micro.rows)
+            update.backward(micro, loss, stats)
+        return (update,), {"critic_grad_norm": self._step_head(update, step)}
+
+    def _step_head(self, update: MinibatchUpdate, step: int) -> float:
+        """Clip and step the head (``loop.optimizer_step``'s order, with its non-finite guard); under several
+        processes its gradient is averaged here, as DDP does for the parameters it wraps."""
+        acc, head = self.accelerator, self.head
+        if update.empty:
+            return math.nan
+        params = list(head.model.parameters())
+        if acc.num_processes > 1:
+            for p in params:
+                p.grad = acc.reduce(p.grad, reduction="mean")
+        norm = engines.grad_norm(acc, params, self.config.optim.max_grad_norm)
+        (loss,) = global_sums(acc, update.loss)
+        if head.guard.allows(step + 1, loss=loss / acc.num_processes, grad_norm=norm):
+            head.optimizer.step()
+        head.optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def models_to_save(self) -> dict[str, torch.nn.Module]:
         return {}  # the head is saved with the policy (value_head.safetensors)
@@ -151,7 +204,9 @@ def build_critic(accelerator, config, policy, updates: int) -> tuple[Optimized, 
     )
     actor = _prepared(accelerator, policy, config.optim, updates, config.run)
     critic_optim = replace(config.optim, lr=config.critic_lr or 10 * config.optim.lr)
-    trained = _prepared(accelerator, critic, critic_optim, updates, config.run, "critic")
+    # value pretraining steps the critic before PPO does: its schedule spans both
+    pretraining = config.value_pretrain_steps * config.ppo_epochs * config.minibatches
+    trained = _prepared(accelerator, critic, critic_optim, updates + pretraining, config.run, "critic")
     return actor, SeparateCritic(accelerator, config, actor.model, trained)
 
 

@@ -11,7 +11,8 @@ Per step, for P prompts:
      (never in the loss); otherwise the batch is the data set's own completions of P·G prompts;
   2. the teacher scores every sampled token: log π_T(y_t), one no-grad pass in micro-batches, or one request
      to a vLLM engine of the teacher's weights, colocated or served (``teacher_scoring``)
-     (loss=jsd: in the update instead, from the teacher's whole distribution at each position);
+     (loss=jsd: in the update instead, from the teacher's whole distribution at each position); with
+     ``teachers``, each row by the teacher it names: one pass per teacher over its rows, back in row order;
   3. loss=reverse_kl: per-token advantages A_t = −(log π_old(y_t) − log π_T(y_t)), discount 0;
   4. ``minibatches`` shuffled minibatches, one optimizer step each: reverse_kl = the clipped surrogate with
      A_t (on the first minibatch the ratio is 1: the plain policy gradient); jsd = GKD's generalized JSD_β
@@ -20,7 +21,7 @@ Per step, for P prompts:
   5. log (the per-token reverse KL, the teacher's log-prob of the sampled tokens); checkpoint.
 
 Departures from the papers: GKD's third source of responses, the teacher's own samples, is not built;
-λ < 1 takes loss=jsd only. The teacher must share the student's tokenizer. Equations, knobs and tests:
+λ < 1 takes loss=jsd only. The teacher (every teacher) must share the student's tokenizer. Equations, knobs and tests:
 docs/algorithms/distill.md.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -58,6 +60,7 @@ from posttrain.runtime.config import (
     RunConfig,
     check_choice,
     check_policy_loss,
+    from_dict,
     python_sections,
     reject_ignored,
     validate_sections,
@@ -74,6 +77,12 @@ from posttrain.runtime.runlock import holds_run_dir
 from posttrain.runtime.update import MinibatchUpdate, Optimized, StepMetrics, StepStats, micro_slices, ratio, std_of
 
 DISTILL_LOSSES = ("reverse_kl", "jsd")
+TEACHER_IGNORED = {
+    "device": "use teacher_device (the teacher is frozen, so it may live anywhere)",
+    "lora": "the teacher is frozen: point its path at a merged checkpoint",
+    "gradient_checkpointing": "the teacher runs without gradients: nothing to recompute",
+}
+"""The fields of a teacher's model section that a frozen teacher does not use, and what to do instead."""
 
 
 @python_sections  # sections and rewards given in Python resolve as YAML's do
@@ -83,8 +92,18 @@ class DistillConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The student: the policy that samples and is trained (``model.lora`` for LoRA)."""
-    teacher: ModelConfig = field(default_factory=ModelConfig)
-    """The frozen teacher: another checkpoint (any size) with the student's tokenizer; loaded once."""
+    teacher: ModelConfig | None = None
+    """The frozen teacher: another checkpoint (any size) with the student's tokenizer; loaded once. Required
+    unless ``teachers`` names several."""
+    teachers: dict[str, ModelConfig] = field(default_factory=dict)
+    """Several frozen teachers, a mixture of specialists: {name: a model section}; each prompt row is graded by
+    the one its ``teacher_column`` names (one no-grad pass per teacher over its rows), each logged as
+    distill/<name>/*. Every teacher is loaded once and kept (their weights add up); in place of ``teacher``."""
+    teacher_column: str = "teacher"
+    """With ``teachers``: the prompt rows' column naming each row's teacher."""
+    default_teacher: str | None = None
+    """With ``teachers``: the teacher of a row without a ``teacher_column`` value; null = such a row stops the
+    run at start."""
     data: DataConfig = field(default_factory=lambda: DataConfig(max_length=None, max_prompt_length=512))
     """Prompt rows {"prompt", ...}; the other columns go to the reward functions, if any. With lmbda < 1 every
     row needs a "completion" too: {"prompt", "completion"} rows, the data set's own responses."""
@@ -145,13 +164,9 @@ class DistillConfig:
             )
         reject_ignored(
             self,
-            {
-                "model.device": PLACED_BY_ACCELERATE,
-                "teacher.device": "use teacher_device (the teacher is frozen, so it may live anywhere)",
-                "teacher.lora": "the teacher is frozen: point teacher.path at a merged checkpoint",
-                "teacher.gradient_checkpointing": "the teacher runs without gradients: nothing to recompute",
-            },
+            {"model.device": PLACED_BY_ACCELERATE, **{f"teacher.{k}": v for k, v in TEACHER_IGNORED.items()}},
         )
+        self._check_teachers()
         for i, spec in enumerate(self.rewards):
             spec.validate(f"rewards[{i}]")
         if self.teacher_device is not None:  # before any model loads: a missing device failed after loading
@@ -209,6 +224,51 @@ class DistillConfig:
                     "distributions at the sampled positions, with no importance weight to correct; leave it none"
                 )
 
+    def _check_teachers(self) -> None:
+        """One ``teacher``, or ``teachers`` by name (names fit a metric key); each section as ``teacher``'s."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if not self.teachers:
+            if self.teacher is None:
+                raise ValueError(
+                    "teacher.path is required: the teacher's checkpoint (or teachers: {NAME: {path: ...}, ...} for "
+                    "several, each prompt row naming its own in teacher_column)"
+                )
+            for name in ("teacher_column", "default_teacher"):
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(f"{name}={getattr(self, name)!r} is read with teachers only (several teachers)")
+            return
+        if self.teacher is not None:
+            raise ValueError(
+                f"teacher.path={self.teacher.path} and teachers={sorted(self.teachers)} are both set: give one "
+                "teacher, or several under teachers (one of them may be the same checkpoint)"
+            )
+        for name in list(self.teachers):
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ValueError(f"teachers: the name {name!r} must be letters, digits, _ . - (it names metrics)")
+            section = self.teachers[name]
+            if isinstance(section, dict):  # given in Python as a mapping of a model section's fields
+                section = self.teachers[name] = from_dict(ModelConfig, section, f"teachers.{name}")
+            section.validate(f"teachers.{name}")
+            for key, instead in TEACHER_IGNORED.items():
+                if getattr(section, key) != getattr(ModelConfig(), key):
+                    raise ValueError(f"teachers.{name}.{key}={getattr(section, key)!r} is not used: {instead}")
+        if self.default_teacher is not None and self.default_teacher not in self.teachers:
+            raise ValueError(
+                f"default_teacher={self.default_teacher!r} is not one of the teachers ({', '.join(self.teachers)})"
+            )
+        if not self.teacher_column or self.teacher_column == "prompt":
+            raise ValueError(f"teacher_column={self.teacher_column!r} must name a column of the prompt rows")
+        if self.teacher_scoring.engine == "vllm":
+            raise ValueError(
+                "teacher_scoring.engine=vllm grades with one teacher's engine; teachers (several teachers) runs "
+                "each teacher's forward in the training process: use teacher_scoring.engine=hf"
+            )
+
+    @property
+    def teacher_sections(self) -> dict[str, ModelConfig]:
+        """{name: model section} of every teacher: ``teachers``, or the one ``teacher`` named "teacher"."""
+        return self.teachers or {"teacher": self.teacher}
+
     def _check_teacher_scoring(self) -> None:
         """A vLLM teacher returns log-probs of the sampled tokens at temperature 1, and nothing else."""
         if self.teacher_scoring.engine != "vllm":
@@ -239,23 +299,26 @@ class DistillConfig:
 # --------------------------------------------------------------------------------------------------
 
 
-def check_same_vocabulary(student, teacher, student_width: int, teacher_width: int, loss: str, teacher_path) -> None:
+def check_same_vocabulary(
+    student, teacher, student_width: int, teacher_width: int, loss: str, teacher_path, key: str = "teacher"
+) -> None:
     """Raise ``UserError`` unless the teacher can grade the student's token ids: the two tokenizers map the
     same strings to the same ids, and for loss=jsd the two models' logits have as many entries (the
-    divergence compares them entry by entry). student, teacher: tokenizers; *_width: the models' vocab_size."""
+    divergence compares them entry by entry). student, teacher: tokenizers; *_width: the models' vocab_size;
+    ``key``: the teacher's section in the config (teacher, teachers.NAME)."""
     student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
     if student_vocab != teacher_vocab:
         differ = sorted(set(student_vocab.items()) ^ set(teacher_vocab.items()), key=lambda kv: kv[1])[:3]
         raise UserError(
-            f"teacher.path={teacher_path}: its tokenizer is not the student's ({len(teacher_vocab)} tokens against "
+            f"{key}.path={teacher_path}: its tokenizer is not the student's ({len(teacher_vocab)} tokens against "
             f"{len(student_vocab)}; differing entries such as {differ}): the teacher scores the student's token ids, "
             "so both must use one tokenizer (the same tokens with the same ids)"
         )
     if loss == "jsd" and student_width != teacher_width:
         raise UserError(
-            f"loss=jsd compares the student's and the teacher's distributions entry by entry, but their logits have "
-            f"{student_width} and {teacher_width} entries (one tokenizer, embeddings padded to other sizes); use "
-            "loss=reverse_kl, which reads the teacher's log-prob of each sampled token only"
+            f"{key}.path={teacher_path}: loss=jsd compares the student's and the teacher's distributions entry by "
+            f"entry, but their logits have {student_width} and {teacher_width} entries (one tokenizer, embeddings "
+            "padded to other sizes); use loss=reverse_kl, which reads the teacher's log-prob of each sampled token only"
         )
 
 
@@ -294,21 +357,71 @@ def _vocab_size(config: ModelConfig) -> int:
     return loaded.get_text_config().vocab_size
 
 
+def _weights_size(model: torch.nn.Module) -> str:
+    """What a frozen model's weights hold on this process: its parameters and their bytes."""
+    params = list(model.parameters())
+    count = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 keeps the full size in ds_numel
+    size = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)
+    return f"{count:,} parameters, {size / 2**20:.1f} MiB of weights ({params[0].dtype}, {params[0].device})"
+
+
+def teacher_of_rows(values: list, teachers: list[str], default: str | None, where) -> list[str]:
+    """The teacher of each row: its ``teacher_column`` value (``values``; None or "" where the row has none:
+    then ``default``). A row left without a teacher, or naming one not in ``teachers``, raises ``UserError``
+    naming the row (``where(i)``) and the teachers."""
+    out = []
+    for i, value in enumerate(values):
+        name = default if value is None or value == "" else str(value)
+        if name is None:
+            raise UserError(
+                f"{where(i)} names no teacher: give it one of {', '.join(teachers)} in its teacher column, or set "
+                "default_teacher"
+            )
+        if name not in teachers:
+            raise UserError(f"{where(i)} names the teacher {name!r}, which is not one of {', '.join(teachers)}")
+        out.append(name)
+    return out
+
+
+def by_teacher(rows_of: dict[str, list[int]], n: int, forward) -> torch.Tensor:
+    """The teachers' results in row order: ``forward(teacher, rows)`` ([len(rows), ...]) once for each teacher
+    with rows (``rows_of``: {teacher: its rows, ascending}), scattered back to their rows: [n, ...]. One teacher
+    with every row returns its own result as it is."""
+    out = None
+    for teacher, rows in rows_of.items():
+        if not rows:
+            continue
+        part = forward(teacher, rows)
+        if len(rows) == n:  # ascending and distinct: every row, in order
+            return part
+        if out is None:
+            out = part.new_zeros((n, *part.shape[1:]))
+        out[torch.tensor(rows, device=part.device)] = part
+    return out
+
+
+def _rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``values[rows]``, or ``values`` itself when ``rows`` is every row in order."""
+    return values if len(rows) == len(values) else values[torch.tensor(rows, device=values.device)]
+
+
 @dataclass
 class DistillBatch:
     """The rows of a rollout one minibatch trains on: the response ``mask``, the old log-probs and, for
-    loss=reverse_kl, the advantages (all [b, T]); ``teacher_logprobs`` [b, T] is filled by loss=jsd's passes."""
+    loss=reverse_kl, the advantages (all [b, T]); ``teacher_logprobs`` [b, T] is filled by loss=jsd's passes;
+    ``teachers``: {teacher: its rows of the minibatch}."""
 
     rollout: Rollout
     mask: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor | None
     teacher_logprobs: torch.Tensor
+    teachers: dict[str, list[int]]
 
 
 class DistillTrainer(OnlineTrainer):
-    """Holds the student, the teacher and the state of a distillation run; ``train_step`` is the module
-    docstring's box."""
+    """Holds the student, the teacher (or teachers, by name) and the state of a distillation run;
+    ``train_step`` is the module docstring's box."""
 
     name = "distill"
     BAR_KEYS = ("distill/reverse_kl", "distill/teacher_logprob")
@@ -320,24 +433,38 @@ class DistillTrainer(OnlineTrainer):
         self.on_policy_steps = gkd_on_policy_steps(config.lmbda, self.total_steps, config.run.seed)
         # GKD's supervised steps read each prompt row's completion: every row is checked before a model loads
         self.completions = prompt_completions(self.prompts, config.data, self.tokenizer) if config.lmbda < 1 else None
-        teacher_tokenizer = load_tokenizer(config.teacher.tokenizer_path or config.teacher.path)
-        check_same_vocabulary(
-            self.tokenizer,
-            teacher_tokenizer,
-            _vocab_size(config.model),
-            _vocab_size(config.teacher),
-            config.loss,
-            config.teacher.path,
-        )
+        if config.teachers:  # every training row names a known teacher, before any model loads
+            column, prompts = config.teacher_column, self.prompts
+            where = f"data.path={config.data.path}: the row whose prompt is {{!r}} (teacher_column={column})"
+            teacher_of_rows(
+                [p.columns.get(column) for p in prompts],
+                list(config.teachers),
+                config.default_teacher,
+                lambda i: where.format(_shown(prompts[i])),
+            )
+        for key, section in config.teacher_sections.items():
+            check_same_vocabulary(
+                self.tokenizer,
+                load_tokenizer(section.tokenizer_path or section.path),
+                _vocab_size(config.model),
+                _vocab_size(section),
+                config.loss,
+                section.path,
+                f"teachers.{key}" if config.teachers else "teacher",
+            )
         self.rewards = None
         if config.rewards:  # logged only: no unscored-steps stop
             self.rewards = RewardComposer.from_specs(config.rewards, self.tokenizer, None, warn=self.console_warning)
         policy = load_policy(replace(config.model, device="cpu"))
-        self.teacher, self.teacher_scorer = None, None
+        self.teachers, self.teacher_scorer = {}, None
         if config.teacher_scoring.engine == "hf":
-            self.teacher = engines.build_reference(
-                acc, policy, config.teacher, "copy", path=config.teacher.path, device=config.teacher_device
-            )
+            for key, section in config.teacher_sections.items():
+                self.teachers[key] = engines.build_reference(
+                    acc, policy, section, "copy", path=section.path, device=config.teacher_device
+                )
+                shown = f"{key} {section.path}" if config.teachers else section.path
+                size = _weights_size(self.teachers[key].model)
+                acc.print(f"[{self.name}] teacher {shown}: {config.teacher_scoring.describe()}, {size}")
         else:  # a vLLM engine of the teacher's weights, here or in its own process
             scoring, seed = config.teacher_scoring, config.run.seed
             self.teacher_scorer = build_scorer(scoring, config.teacher.path, self.tokenizer, seed)
@@ -348,7 +475,7 @@ class DistillTrainer(OnlineTrainer):
                     f"{config.teacher.path}: the server's model grades the samples (teacher.path gives the "
                     "tokenizer checked against the student's)"
                 )
-        acc.print(f"[{self.name}] teacher {config.teacher.path}: {config.teacher_scoring.describe()}")
+            acc.print(f"[{self.name}] teacher {config.teacher.path}: {config.teacher_scoring.describe()}")
         updates = self.total_steps * config.minibatches
         optimizer, scheduler = build_optimizer(
             [p for p in policy.parameters() if p.requires_grad], config.optim, updates
@@ -358,6 +485,29 @@ class DistillTrainer(OnlineTrainer):
         self.actor = Optimized(model, optimizer, scheduler, NonFiniteGuard(acc, config.run), config.optim.max_grad_norm)
         self.passes = {"teacher": 0}
         self.start_engine(acc.unwrap_model(model))
+
+    def teacher_rows(self, rollout: Rollout) -> dict[str, list[int]]:
+        """{teacher: the rows of ``rollout`` it grades, ascending}, every teacher (none may be empty-handed
+        on one process and not another: the logged sums keep one key set)."""
+        cfg = self.config
+        if not cfg.teachers:
+            return {"teacher": list(range(len(rollout)))}
+        values = rollout.columns.get(cfg.teacher_column, [None] * len(rollout))
+        names = teacher_of_rows(values, list(cfg.teachers), cfg.default_teacher, lambda i: f"row {i}")
+        return {t: [i for i, name in enumerate(names) if name == t] for t in cfg.teachers}
+
+    def teacher_logprobs(self, rollout: Rollout, rows_of: dict[str, list[int]]) -> torch.Tensor:
+        """log π_T(y_t) of every sampled token, [B, T]: each teacher's no-grad pass over its rows, in
+        micro-batches (or the vLLM teacher's request), back in row order."""
+        micro, device = self.config.run.micro_batch_size, self.accelerator.device
+        if self.teacher_scorer is not None:
+            return scored_logprobs(self.teacher_scorer, rollout).to(device)
+
+        def forward(teacher: str, rows: list[int]) -> torch.Tensor:
+            graded = rollout if len(rows) == len(rollout) else rollout.select(rows)
+            return reference_logprobs(self.teachers[teacher], graded, micro, device)
+
+        return by_teacher(rows_of, len(rollout), forward)
 
     def train_step(self, step: int, timer: PhaseTimer) -> tuple[dict, Rollout | None, torch.Tensor | None]:
         cfg, acc, device = self.config, self.accelerator, self.accelerator.device
@@ -384,12 +534,10 @@ class DistillTrainer(OnlineTrainer):
                 is_weights = None
         # 2-3. the teacher scores every sampled token; reverse_kl: per-token advantages (jsd: in the update)
         teacher_logprobs = advantages = None
+        rows_of = self.teacher_rows(rollout)  # {teacher: its rows}: one teacher, or each row's own
         if cfg.loss == "reverse_kl":
             with timer("teacher"):
-                if self.teacher_scorer is not None:
-                    teacher_logprobs = scored_logprobs(self.teacher_scorer, rollout).to(device)
-                else:
-                    teacher_logprobs = reference_logprobs(self.teacher, rollout, micro, device)
+                teacher_logprobs = self.teacher_logprobs(rollout, rows_of)
             advantages = reverse_kl_advantages(old_logprobs, teacher_logprobs, mask)
             if is_weights is not None:  # w·min(r·A, clip(r)·A) = min(r·wA, clip(r)·wA) for w ≥ 0
                 advantages = advantages * is_weights
@@ -401,6 +549,8 @@ class DistillTrainer(OnlineTrainer):
         # 5. log
         teacher_logprobs = from_update if teacher_logprobs is None else teacher_logprobs
         distill_metrics(self.step_metrics, old_logprobs, teacher_logprobs, mask)
+        if cfg.teachers:
+            teacher_metrics(self.step_metrics, old_logprobs, teacher_logprobs, mask, rows_of)
         metrics.update({f"passes/{k}": v for k, v in self.passes.items()})
         scores = reverse_kl_advantages(old_logprobs, teacher_logprobs, mask).sum(-1)  # −Σ_t k1: the sequence's "reward"
         values = scores.double()  # one response per process still has a spread over the processes
@@ -456,12 +606,14 @@ class DistillTrainer(OnlineTrainer):
         teacher_logprobs = torch.zeros_like(old_logprobs)
         shuffle = cfg.minibatches > 1
         for _, rows in minibatches(len(rollout), 1, cfg.minibatches, cfg.run.seed, step, shuffle):
+            selected = rollout.select(rows)
             batch = DistillBatch(
-                rollout.select(rows),
+                selected,
                 mask[rows],
                 old_logprobs[rows],
                 None if advantages is None else advantages[rows],
                 torch.zeros_like(old_logprobs[rows]),
+                self.teacher_rows(selected),
             )
             update = MinibatchUpdate(acc, self.actor, batch.mask, cfg.loss_agg, cfg.run.micro_batch_size)
             for micro in update:  # none when no response token of the minibatch trains: no step either
@@ -492,7 +644,12 @@ class DistillTrainer(OnlineTrainer):
             loss = aggregate_loss(pg, mask, cfg.loss_agg, cfg.sampling.max_new_tokens)
             return loss, {**stats, "pg_loss": loss.detach(), "loss": loss.detach()}
         ids, attention = rollout.input_ids[s].to(device), rollout.attention_mask[s].to(device)
-        teacher_logits = self.teacher.response_logits(ids, attention, length).to(device)  # [b, T, V], no grad
+        in_micro = {t: [i - s.start for i in rows if s.start <= i < s.stop] for t, rows in batch.teachers.items()}
+
+        def forward(teacher: str, rows: list[int]) -> torch.Tensor:  # each teacher over its rows of the micro-batch
+            return self.teachers[teacher].response_logits(_rows(ids, rows), _rows(attention, rows), length)
+
+        teacher_logits = by_teacher(in_micro, len(ids), forward).to(device)  # [b, T, V], no grad
         student_logits = response_logits(self.actor.model, ids, attention, length)  # [b, T, V]
         tau = cfg.divergence_temperature
         per_token = generalized_jsd(student_logits, teacher_logits, mask, cfg.beta, tau)
@@ -536,6 +693,40 @@ def distill_metrics(step: StepMetrics, logprobs: torch.Tensor, teacher_logprobs:
         teacher=masked_total(teacher_logprobs),
         student=masked_total(logprobs),
     )
+
+
+def teacher_metrics(step: StepMetrics, logprobs, teacher_logprobs, mask, rows_of: dict[str, list[int]]) -> None:
+    """Per teacher, over its rows of every process, added to ``step``: ``distill/<teacher>/reverse_kl`` and
+    ``/teacher_logprob`` (the per-token means of ``distill_metrics``), ``/rows`` and ``/tokens``. Every process
+    adds every teacher, with zeros where it holds none of its rows (one collective, one key set); a teacher
+    with no rows on any process logs NaN means and 0 rows."""
+    valid = mask.bool()
+    for teacher, rows in rows_of.items():
+        index = torch.tensor(rows, dtype=torch.long, device=valid.device)
+        kept = valid[index]
+
+        def finish(t: dict[str, float], teacher=teacher) -> dict[str, float]:
+            return {
+                f"distill/{teacher}/reverse_kl": ratio(t["reverse_kl"], t["tokens"]),
+                f"distill/{teacher}/teacher_logprob": ratio(t["teacher"], t["tokens"]),
+                f"distill/{teacher}/rows": t["rows"],
+                f"distill/{teacher}/tokens": t["tokens"],
+            }
+
+        step.add(
+            f"distill/{teacher}",
+            finish,
+            rows=len(rows),
+            tokens=kept.sum(),
+            reverse_kl=torch.where(kept, logprobs[index] - teacher_logprobs[index], 0.0).sum(),
+            teacher=torch.where(kept, teacher_logprobs[index], 0.0).sum(),
+        )
+
+
+def _shown(prompt) -> str:
+    """A prompt row's text as an error names it: the prompt, or a conversation's last message, cut at 60."""
+    text = prompt.prompt if isinstance(prompt.prompt, str) else prompt.prompt[-1]["content"]
+    return text[:60]
 
 
 @holds_run_dir  # the run folder stays locked until the run ends (runlock)

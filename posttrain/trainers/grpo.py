@@ -7,16 +7,17 @@ Per step, for P prompts:
      sample more prompts (DAPO dynamic sampling);
   3. reference log-probs (only when kl_coef > 0) and the per-token KL;
   4. advantages: GRPO (r − mean_g) / std (scale group | batch | none = Dr. GRPO), RLOO, or REINFORCE++
-     (token rewards with KL, reward-to-go, batch-whitened);
+     (token rewards with KL, reward-to-go, batch-whitened); optionally entropy control (``entropy_control``):
+     the tokens whose policy gradient trains, chosen once over the step's batch of every process;
   5. μ = ``num_iterations`` passes over ``minibatches`` minibatches: PPO-clipped surrogate with the
      advantage shared by every token of a response (clip-higher when clip_high > clip_low), or GSPO's
-     sequence ratio or CISPO's clipped weight (``policy_loss``), KL to the reference in the loss (k3,
-     DeepSeekMath) or in the reward (k1), reduced by ``loss_agg``;
+     sequence ratio, CISPO's clipped weight, GMPO's geometric mean or SAPO's soft gate (``policy_loss``),
+     KL to the reference in the loss (k3, DeepSeekMath) or in the reward (k1), reduced by ``loss_agg``;
   6. log; checkpoint.
 
 Departures from the paper: the loss reduction is a named choice (``loss_agg``) because the paper's
 per-sequence length normalisation biases the objective (Liu et al. 2025); presets set the knobs of
-GRPO, DAPO, Dr. GRPO, GSPO and CISPO at once and are printed at start. Equations, knobs and tests:
+GRPO, DAPO, Dr. GRPO, GSPO, CISPO, GMPO and SAPO at once and are printed at start. Equations, knobs and tests:
 docs/algorithms/grpo.md.
 """
 
@@ -31,13 +32,16 @@ from posttrain.core import (
     AGGREGATION_MODES,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    TokenSelection,
     aggregate_loss,
     gae,
     group_advantages,
     kl_penalty,
     masked_mean,
     masked_sum,
+    policy_loss_knobs,
     rloo_advantages,
+    selected_policy_loss,
     shape_rewards,
 )
 from posttrain.data import DataConfig
@@ -45,6 +49,7 @@ from posttrain.envs import EnvConfig, with_environment_reward
 from posttrain.models import ModelConfig, load_policy
 from posttrain.monitor import AlertConfig, EvalConfig
 from posttrain.rewards import RewardComposer, RewardSpec, overlong_penalty, score_rollout
+from posttrain.rewards.process import ProcessReward, ProcessRewardConfig
 from posttrain.rollout import Rollout, RolloutConfig, SamplingParams, concat_rollouts
 from posttrain.runtime import engines
 from posttrain.runtime.config import (
@@ -53,11 +58,13 @@ from posttrain.runtime.config import (
     RunConfig,
     check_choice,
     check_policy_loss,
+    check_sapo_knobs,
     python_sections,
     reject_ignored,
     validate_sections,
     with_presets,
 )
+from posttrain.runtime.entropy_control import EntropyControlConfig, select_tokens
 from posttrain.runtime.loop import NonFiniteGuard, PhaseTimer, build_optimizer, global_sums
 from posttrain.runtime.online import (
     OffPolicyTally,
@@ -137,6 +144,24 @@ class GRPOConfig:
             "advantage_estimator": "grpo",
             "kl_coef": 0.0,
         },
+        "gmpo": {  # Zhao et al. 2025: log-space clip (e^-0.4, e^0.4) (§4), one term per response, no KL term
+            "policy_loss": "gmpo",
+            "loss_agg": "seq-mean-token-mean",
+            "clip_low": 0.4,
+            "clip_high": 0.4,
+            "scale_rewards": "group",
+            "advantage_estimator": "grpo",
+            "kl_coef": 0.0,
+        },
+        "sapo": {  # Gao et al. 2025: τ_pos = 1.0, τ_neg = 1.05, (1/G) Σ_i (1/|y_i|) Σ_t, no KL term
+            "policy_loss": "sapo",
+            "loss_agg": "seq-mean-token-mean",
+            "tau_pos": 1.0,
+            "tau_neg": 1.05,
+            "scale_rewards": "group",
+            "advantage_estimator": "grpo",
+            "kl_coef": 0.0,
+        },
     }
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -156,6 +181,9 @@ class GRPOConfig:
     they read the model's last turn as the completion, and the environment's own reward joins them."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn episodes with a tool-giving environment (docs/algorithms/multi_turn.md); name=none: one turn."""
+    process_reward_model: ProcessRewardConfig | None = None
+    """A process reward model (posttrain prm): {path, aggregation: min|sum|last, weight}; weight · the aggregate of
+    each response's step scores joins its reward (docs/algorithms/process_rewards.md); null = none."""
     num_generations: int = 8
     """G: responses sampled per prompt."""
     advantage_estimator: str = "grpo"
@@ -170,14 +198,22 @@ class GRPOConfig:
     """Where the KL goes: loss (DeepSeekMath) or reward (per-token k1, RLHF-style)."""
     policy_loss: str = "ppo"
     """The policy loss per token: ppo (clipped token ratio), gspo (one length-normalised ratio per response,
-    clipped per response), gspo-token (GSPO's ratio, each token's own gradient and advantage) or cispo
-    (the clipped ratio as a detached weight on log π: no token loses its gradient)."""
+    clipped per response), gspo-token (GSPO's ratio, each token's own gradient and advantage), cispo
+    (the clipped ratio as a detached weight on log π: no token loses its gradient), gmpo (the geometric mean
+    of the token ratios, each clipped in log space first) or sapo (a smooth sigmoid gate of the token ratio
+    in place of the clip)."""
     loss_agg: str = "seq-mean-token-mean"
     """Loss reduction: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     clip_low: float = 0.2
-    """ε_low: the ratio (cispo: the weight) is clipped below at 1 − clip_low; cispo: ≥ 1 = no lower bound."""
+    """ε_low: the ratio (cispo: the weight) is clipped below at 1 − clip_low; cispo: ≥ 1 = no lower bound;
+    gmpo: in log space, the ratio below at e^−clip_low (GMPO uses 0.4); not used by sapo."""
     clip_high: float | None = None
-    """ε_high: clipped above at 1 + clip_high (null = clip_low; DAPO uses 0.28, GSPO 4e-4)."""
+    """ε_high: clipped above at 1 + clip_high (null = clip_low; DAPO uses 0.28, GSPO 4e-4; gmpo: at
+    e^clip_high, GMPO 0.4); not used by sapo."""
+    tau_pos: float = 1.0
+    """τ_pos of policy_loss=sapo: the temperature of the gate of tokens with a positive advantage."""
+    tau_neg: float = 1.05
+    """τ_neg of policy_loss=sapo: the temperature for the other tokens (larger: their gate closes sooner)."""
     num_iterations: int = 1
     """μ: updates per rollout (old log-probs are the sampling ones)."""
     minibatches: int = 1
@@ -195,8 +231,8 @@ class GRPOConfig:
     reference: str = "auto"
     """auto (adapter-off for LoRA, else a frozen copy), copy or adapter."""
     preset: str = "none"
-    """grpo, dapo, dr_grpo, gspo or cispo: sets several knobs at once (printed at start); an explicit number or
-    switch wins, a choice (policy_loss, loss_agg, ...) other than the preset's fails at start."""
+    """grpo, dapo, dr_grpo, gspo, cispo, gmpo or sapo: sets several knobs at once (printed at start); an explicit
+    number or switch wins, a choice (policy_loss, loss_agg, ...) other than the preset's fails at start."""
     log_completions: int = 4
     """(prompt, completion, score) samples written to samples.jsonl per step (0 = none)."""
     max_unscored_steps: int = 3
@@ -209,6 +245,9 @@ class GRPOConfig:
     dense mask computes attention over all of it); otherwise, on one process without DeepSpeed or
     gradient checkpointing, each prompt once with its samples run as continuations of its KV cache;
     true: always packed rows; false: never."""
+    entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
+    """Which tokens get the policy gradient: all (none), the high-entropy minority, or all but those whose
+    log-prob/advantage covariance drives the entropy down (clip_cov, kl_cov); docs/algorithms/grpo.md."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (eval.path or data.eval_fraction) at step 0, every run.eval_every steps and at the end."""
     alerts: AlertConfig = field(default_factory=AlertConfig)
@@ -257,16 +296,32 @@ class GRPOConfig:
         if not 0 <= self.overlong_buffer_fraction <= 1:
             raise ValueError(f"overlong_buffer_fraction must be in [0, 1], got {self.overlong_buffer_fraction}")
         check_policy_loss(self.policy_loss, self.clip_low, self.clip_high, POLICY_LOSSES)
+        check_sapo_knobs(self)
         if self.rollout.async_steps and self.dynamic_sampling:
             raise ValueError(
                 "rollout.async_steps >= 1 with dynamic_sampling=true: dynamic sampling draws a varying number of "
                 "batches per step, the producer a fixed schedule of one per step; turn one of them off"
             )
         check_episodes(self)
+        updates = f"num_iterations={self.num_iterations}, minibatches={self.minibatches}"
+        self.entropy_control.check_trainer(self.num_iterations * self.minibatches, updates, self.policy_loss)
         if self.policy_loss == "gspo" and self.advantage_estimator == "reinforce++":
             raise ValueError(
                 "policy_loss=gspo clips one ratio per response by the response's one advantage; reinforce++ gives "
                 "each token its own: use policy_loss=gspo-token (GSPO's ratio with per-token advantages)"
+            )
+        if self.policy_loss == "gmpo" and (
+            self.advantage_estimator == "reinforce++" or self.rollout.importance_sampling in ("token", "token_mask")
+        ):
+            given = (
+                "advantage_estimator=reinforce++"
+                if self.advantage_estimator == "reinforce++"
+                else f"rollout.importance_sampling={self.rollout.importance_sampling}"
+            )
+            raise ValueError(
+                f"policy_loss=gmpo with {given}: GMPO takes one advantage per response (its sign picks the clip "
+                "side of every token), and these weigh each token's own; use policy_loss=sapo or gspo-token, or "
+                "advantage_estimator=grpo|rloo and rollout.importance_sampling=none|sequence|sequence_mask"
             )
         if self.policy_loss == "gspo" and self.rollout.importance_sampling in ("token", "token_mask"):
             by = " (preset=gspo sets it)" if self.preset == "gspo" else ""
@@ -322,6 +377,7 @@ class GRPOBatch:
     advantages: torch.Tensor
     old_logprobs: torch.Tensor | None  # None: the update's own forward, detached (one pass, one minibatch)
     ref_logprobs: torch.Tensor | None
+    selection: TokenSelection | None = None  # entropy control's tokens of these rows (None: every token)
 
 
 class GRPOTrainer(OnlineTrainer):
@@ -346,6 +402,10 @@ class GRPOTrainer(OnlineTrainer):
             config.max_unscored_steps,
             warn=self.console_warning,
         )
+        self.process_reward = None
+        if config.process_reward_model is not None:
+            self.process_reward = ProcessReward(config.process_reward_model, self.tokenizer, str(acc.device))
+            self.process_reward.model = engines.prepare_frozen(acc, self.process_reward.model)
         policy = load_policy(replace(config.model, device="cpu"))
         self.reference = None
         if config.kl_coef > 0:  # kl_coef = 0 loads no reference at all
@@ -365,7 +425,7 @@ class GRPOTrainer(OnlineTrainer):
         model, optimizer = engines.prepare(acc, policy, optimizer)
         acc.register_for_checkpointing(scheduler)
         self.actor = Optimized(model, optimizer, scheduler, NonFiniteGuard(acc, config.run), config.optim.max_grad_norm)
-        self.passes = {"old_logprobs": 0, "reference": 0, "policy_train": 0}
+        self.passes = {"old_logprobs": 0, "reference": 0, "policy_train": 0, "entropy": 0}
         self.start_engine(acc.unwrap_model(model))
 
     def train_step(self, step: int, timer: PhaseTimer) -> tuple[dict, Rollout | None, torch.Tensor | None]:
@@ -409,11 +469,13 @@ class GRPOTrainer(OnlineTrainer):
         advantages = self.advantages(scores, applicable, kl, mask)
         adv_tokens = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
         advantage_metrics(self.step_metrics, adv_tokens, mask)
+        # 4b. entropy control: the tokens whose policy gradient trains, chosen once over the whole step's batch
+        selection = self.select_tokens(step, rollout, old_logprobs, adv_tokens, mask, metrics)
         if is_weights is not None:  # w·min(r·A, clip(r)·A) = min(r·wA, clip(r)·wA) for w ≥ 0
             advantages = adv_tokens * is_weights
         # 5. μ iterations over minibatches of the clipped surrogate
         with timer("train"):
-            metrics.update(self.update(step, rollout, old_logprobs, ref_logprobs, advantages, mask))
+            metrics.update(self.update(step, rollout, old_logprobs, ref_logprobs, advantages, mask, selection))
         # 6. log
         metrics.update(self.reward_metrics(scores, applicable))
         return metrics, rollout, scores
@@ -431,6 +493,10 @@ class GRPOTrainer(OnlineTrainer):
             )
             scores = scores + cfg.overlong_penalty_weight * penalty
             out.components["overlong_penalty"] = penalty.tolist()
+        if self.process_reward is not None:  # + weight · min|sum|last of the step scores σ(z_k)
+            process, steps = self.process_reward.response_scores(rollout, cfg.run.micro_batch_size)
+            scores = scores + cfg.process_reward_model.weight * process.to(scores.device)
+            out.components["process"], out.components["process_steps"] = process.tolist(), steps.tolist()
         return scores, out.components
 
     def rollout_and_score(self, timer: PhaseTimer, step: int = 0):
@@ -548,9 +614,25 @@ class GRPOTrainer(OnlineTrainer):
         )
         return {"kl_coef": self.config.kl_coef, **{f"passes/{k}": v for k, v in self.passes.items()}}
 
+    def select_tokens(self, step: int, rollout: Rollout, old_logprobs, advantages, mask, metrics: dict):
+        """``entropy_control``'s selection of this process's rows [B, T] (``select_tokens``; None: every token
+        trains); its metrics into ``metrics``. high_entropy's no-grad forward for π_old's entropy counts in
+        ``passes/entropy``."""
+        cfg, acc = self.config, self.accelerator
+        model, shared = self.actor.model, self.shared
+
+        def entropy_of(rows: slice) -> torch.Tensor:  # π_old's entropy [b, T]
+            return policy_logprobs(model, rollout, rows, acc.device, with_entropy=True, shared=shared)[1]
+
+        control = cfg.entropy_control
+        selection, chosen = select_tokens(acc, control, cfg.run, step, mask, entropy_of, old_logprobs, advantages)
+        self.passes["entropy"] += control.needs_entropy
+        metrics.update(chosen)
+        return selection
+
     # -- 5. policy update ---------------------------------------------------------------------------
 
-    def update(self, step: int, rollout: Rollout, old_logprobs, ref_logprobs, advantages, mask) -> dict:
+    def update(self, step: int, rollout: Rollout, old_logprobs, ref_logprobs, advantages, mask, selection=None) -> dict:
         """μ = ``num_iterations`` passes over ``minibatches`` minibatches (shuffled when more than one), one
         optimizer step each: per micro-batch forward, per-token loss, ``loss_agg``, backward of its share; then
         the step. Returns the policy metrics of the step, reduced over the processes at once; ``entropy`` is
@@ -564,7 +646,8 @@ class GRPOTrainer(OnlineTrainer):
         ):
             ref = None if ref_logprobs is None or cfg.kl_in != "loss" else ref_logprobs[rows]
             old = None if old_logprobs is None else old_logprobs[rows]
-            batch = GRPOBatch(rollout.select(rows), mask[rows], advantages[rows], old, ref)
+            chosen = None if selection is None else selection.rows(rows)
+            batch = GRPOBatch(rollout.select(rows), mask[rows], advantages[rows], old, ref, chosen)
             update = MinibatchUpdate(acc, self.actor, batch.mask, cfg.loss_agg, cfg.run.micro_batch_size)
             if update.empty:  # no token of this minibatch trains (unscored or masked rows): no forward, no step
                 continue
@@ -584,9 +667,9 @@ class GRPOTrainer(OnlineTrainer):
         return {**out, **first_minibatch_metrics(stats.first)}
 
     def policy_loss(self, batch: GRPOBatch, s: slice, with_entropy: bool):
-        """(the loss of rows ``s``: the ``policy_loss`` surrogate per token (PPO-clipped, GSPO or CISPO) plus
-        β·KL to the reference when kl_in=loss, reduced by ``loss_agg`` (DeepSeekMath eq. 3); its stats; the
-        token entropy [b, T] or None)."""
+        """(the loss of rows ``s``: the ``policy_loss`` surrogate per token (PPO-clipped, GSPO, CISPO, GMPO or
+        SAPO) plus β·KL to the reference when kl_in=loss, reduced by ``loss_agg`` (DeepSeekMath eq. 3); its stats;
+        the token entropy [b, T] or None)."""
         cfg, mask = self.config, batch.mask[s]
         logprobs, entropy = policy_logprobs(
             self.actor.model, batch.rollout, s, self.accelerator.device, with_entropy=with_entropy, shared=self.shared
@@ -598,9 +681,12 @@ class GRPOTrainer(OnlineTrainer):
             advantages = self.corrected_advantages(batch, s, old, advantages)
         else:
             old = old[s]
-        pg, stats = POLICY_LOSSES[cfg.policy_loss](
-            logprobs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high
-        )  # [b, T]
+        knobs = policy_loss_knobs(
+            cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg
+        )
+        pg, stats = POLICY_LOSSES[cfg.policy_loss](logprobs, old, advantages, mask, **knobs)  # [b, T]
+        if batch.selection is not None:  # entropy control: an unselected token's term 0; KL-Cov's penalty
+            pg = selected_policy_loss(pg, logprobs, old, batch.selection.rows(s), cfg.entropy_control.kl_cov_coef)
         ref = batch.ref_logprobs  # None: no KL in the loss (kl_coef = 0, or kl_in=reward)
         kl = torch.zeros_like(pg) if ref is None else kl_penalty(logprobs, ref[s], cfg.kl_estimator, mask=mask)
         norm_length = cfg.sampling.max_new_tokens  # L of seq-mean-token-sum-norm
@@ -617,7 +703,8 @@ class GRPOTrainer(OnlineTrainer):
         cfg = self.config
         one_pass = cfg.num_iterations == 1 and cfg.minibatches == 1
         kl_after = self.reference is None or cfg.kl_in == "loss"
-        return rollout.version is not None and rollout.logprobs is not None and one_pass and kl_after
+        covariance = cfg.entropy_control.method in ("clip_cov", "kl_cov")  # needs π_old before the update
+        return rollout.version is not None and rollout.logprobs is not None and one_pass and kl_after and not covariance
 
     def corrected_advantages(self, batch: GRPOBatch, s: slice, old: torch.Tensor, advantages: torch.Tensor):
         """The advantages of rows ``s`` times the importance weights π_old/π_behaviour, with π_old the

@@ -19,6 +19,7 @@ REQUIRED = {
     "grpo": ["model.path=m", "data.path=d.jsonl", "rewards=[{function: a:b}]"],
     "distill": ["model.path=m", "data.path=d.jsonl", "teacher.path=t"],
     "kto": ["model.path=m", "data.path=d.jsonl"],
+    "prm": ["model.path=m", "data.path=d.jsonl"],
     "online-dpo": ["model.path=m", "data.path=d.jsonl", "rewards=[{function: a:b}]"],
 }
 
