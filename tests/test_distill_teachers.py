@@ -216,6 +216,25 @@ def test_a_row_naming_no_known_teacher_stops_the_run_at_start_in_one_line(tiny_d
     assert "names no teacher: give it one of sums, other" in capsys.readouterr().err and stop.value.code == 2
 
 
+def test_a_data_path_with_braces_is_named_as_it_is(tiny_dir, teachers, mixed, tmp_path):
+    from types import SimpleNamespace
+
+    from posttrain.trainers.distill import _shown
+
+    folder = tmp_path / "runs{0}{x}"  # str.format read these as fields: an IndexError, not the row's message
+    folder.mkdir()
+    lines = open(mixed).read().splitlines()
+    lines[5] = json.dumps({"prompt": "7+1={}", "answer": "8", "teacher": "physics"})
+    bad = folder / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    config = _config(str(tiny_dir / "policy"), teachers, str(bad), tmp_path / "out")
+    with pytest.raises(UserError, match=re.escape(f"data.path={bad}: the row whose prompt is '7+1={{}}'")):
+        DistillTrainer(config)
+    # a multimodal message: its content a list of parts, shown as text
+    parts = [{"type": "text", "text": "what is 7+1?"}]
+    assert _shown(SimpleNamespace(prompt=[{"role": "user", "content": parts}])) == str(parts)[:60]
+
+
 def test_every_teacher_must_share_the_students_tokenizer(tiny_dir, teachers, mixed, tmp_path):
     from posttrain.models.tiny import build_tiny
 

@@ -17,7 +17,7 @@ from posttrain.core import (
     process_token_rewards,
     step_end_mask,
 )
-from posttrain.data.steps import separator_ends, step_end_tokens
+from posttrain.data.steps import last_step_open, separator_ends, step_end_tokens
 
 LN3 = math.log(3.0)  # σ(ln 3) = 3/4
 LOGIT_02 = math.log(0.25)  # σ(ln 1/4) = 1/5
@@ -87,6 +87,40 @@ def test_separator_found_whole_merged_or_split_over_tokens():
     # the last token ends the last step, once
     assert step_end_tokens(["1", "\n", "2", "<eos>"], "\n") == [1, 3]
     assert step_end_tokens(["1", "\n"], "\n") == [1]
+
+
+def test_blank_lines_end_no_step_and_nor_does_an_eos_after_the_last_separator():
+    # "a\n\n \nb\n": the blank lines between a and b are no steps (a policy would earn a step's reward for each)
+    assert separator_ends(["a", "\n", "\n", " ", "\n", "b", "\n"], "\n") == [1, 6]
+    assert separator_ends(["\n", "\n"], "\n") == []
+    special = {"<eos>"}
+    assert last_step_open(["a", "\n", "b", "<eos>"], "\n", special)
+    assert not last_step_open(["a", "\n", "b", "\n", " ", "<eos>"], "\n", special)  # "a\nb\n<eos>": two steps
+    assert not last_step_open(["<eos>"], "\n", special) and last_step_open(["a"], "\n", special)
+
+
+def test_a_sentencepiece_token_keeps_its_leading_space():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from posttrain.data.steps import TokenText
+
+    vocab = {"<unk>": 0, "</s>": 1, "▁a": 2, "▁b": 3, "▁ки": 4, "\n": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+    # "a ки b ки</s>": decoded alone, "▁ки" is "ки" and Math-Shepherd's step tag " ки" is never found
+    pieces = TokenText(tokenizer)([2, 4, 3, 4, 1])
+    assert pieces == [" a", " ки", " b", " ки", "</s>"] and separator_ends(pieces, " ки") == [1, 3]
+
+
+def test_a_truncated_or_blank_ended_response_has_no_step_end_at_its_last_token():
+    separator = torch.tensor([[0, 1, 0, 0], [0, 1, 0, 0], [0, 1, 0, 0]], dtype=torch.bool)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]])
+    closed = torch.tensor([True, False, False])
+    # row 0: separator 1 and its last token 3; rows 1 and 2 (cut, or blank after the separator): separator 1 only
+    assert step_end_mask(separator, mask, closed).int().tolist() == [[0, 1, 0, 1], [0, 1, 0, 0], [0, 1, 0, 0]]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,19 +250,20 @@ def test_grpo_and_ppo_run_with_a_prm_and_log_its_scores(tiny_dir, trained_prm, t
     args = _rl_args(tiny_dir, trained_prm, tmp_path, "grpo")
     grpo.train(load_config(grpo.GRPOConfig, None, [*args, "num_generations=4", "kl_coef=0"]))
     (record,) = read_metrics(str(tmp_path / "grpo"))
-    assert 0 < record["reward/process/mean"] < 1 and record["reward/process_steps/mean"] >= 1
+    # > 0, not >= 1: a response cut by max_new_tokens=8 before any separator has no finished step
+    assert 0 < record["reward/process/mean"] < 1 and record["reward/process_steps/mean"] > 0
     # each response's reward: its outcome + weight 1 · the min of its step scores
     assert record["reward/mean"] == pytest.approx(record["reward/math_answer/mean"] + record["reward/process/mean"])
     args = _rl_args(tiny_dir, trained_prm, tmp_path, "ppo")
     ppo.train(load_config(ppo.PPOConfig, None, [*args, "critic=policy"]))
     (record,) = read_metrics(str(tmp_path / "ppo"))
-    assert 0 < record["reward/process/mean"] < 1 and record["reward/process/steps"] >= 1
+    assert 0 < record["reward/process/mean"] < 1 and record["reward/process/steps"] > 0
     # a response's summed token rewards: its score + σ(z) at each of its steps (the KL is 0 at the first step)
     per_response = record["score/mean"] + record["reward/process/mean"] * record["reward/process/steps"]
     assert record["reward/mean"] == pytest.approx(per_response, abs=1e-3)
 
 
-def test_process_reward_config_is_checked_at_start(tiny_dir, trained_prm, tmp_path):
+def test_process_reward_config_is_checked_at_start(tiny_dir, trained_prm, tokenizer, tmp_path):
     from posttrain.rewards.process import ProcessReward, ProcessRewardConfig
     from posttrain.runtime.config import load_config
     from posttrain.trainers import grpo, ppo
@@ -238,6 +273,10 @@ def test_process_reward_config_is_checked_at_start(tiny_dir, trained_prm, tmp_pa
         load_config(grpo.GRPOConfig, None, [*args, "process_reward_model.aggregation=mean"]).validate()
     with pytest.raises(ValueError, match="process_reward_model.weight must be > 0"):
         load_config(grpo.GRPOConfig, None, [*args, "process_reward_model.weight=0"]).validate()
+    with pytest.raises(ValueError, match="process_reward_model.dtype must be one of"):
+        load_config(grpo.GRPOConfig, None, [*args, "process_reward_model.dtype=int8"]).validate()
+    half = ProcessReward(ProcessRewardConfig(path=trained_prm["path"], dtype="bfloat16"), tokenizer, "cpu")
+    assert next(half.model.parameters()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="aggregation is not used by PPO"):
         load_config(ppo.PPOConfig, None, [*args, "critic=policy", "process_reward_model.aggregation=sum"]).validate()
     with pytest.raises(ValueError, match="process_reward_model.path=.*no weights for score.bias"):
@@ -249,6 +288,21 @@ def test_process_reward_config_is_checked_at_start(tiny_dir, trained_prm, tmp_pa
     (plain / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="not a process reward model"):
         ProcessReward(ProcessRewardConfig(path=str(plain)), None, "cpu")
+
+
+def test_a_reward_model_as_the_process_reward_model_stops_grpo_in_one_line(tiny_dir, tmp_path, capsys):
+    from helpers import one_line
+
+    from posttrain.cli import main
+    from posttrain.data.synthetic import stepwise_sums
+
+    prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in stepwise_sums(8, seed=1, low=0, high=3)]
+    args = [f"model.path={tiny_dir / 'policy'}", f"data.path={write_jsonl(tmp_path / 'p.jsonl', prompts)}"]
+    args += ["data.chat_template=never", "rewards=[{function: 'posttrain.rewards.math:math_answer'}]"]
+    args += [f"run.output_dir={tmp_path / 'run'}", "run.max_steps=1", "run.batch_size=8", "num_generations=4"]
+    with pytest.raises(SystemExit) as stop:  # a sequence-level reward model: no score.bias as a token classifier
+        main(["grpo", *args, f"process_reward_model.path={tiny_dir / 'reward'}", "kl_coef=0"])
+    one_line(stop.value.code, capsys.readouterr().err, "grpo", "no weights for score.bias")
 
 
 def test_rollout_step_ends_are_the_training_rows_step_ends(tiny_dir, trained_prm, tokenizer, tmp_path):
@@ -276,3 +330,24 @@ def test_rollout_step_ends_are_the_training_rows_step_ends(tiny_dir, trained_prm
     process = ProcessReward(ProcessRewardConfig(path=trained_prm["path"]), tokenizer, "cpu")
     ends = process.step_ends(rollout)
     assert [row.nonzero().flatten().tolist() for row in ends] == [e.step_ends for e in examples]
+
+
+def test_rollout_blank_lines_a_trailing_separator_and_a_cut_add_no_step(trained_prm, tokenizer):
+    from posttrain.rewards.process import ProcessReward, ProcessRewardConfig
+    from posttrain.rollout import Rollout
+
+    texts, eos = ["1\n\n2", "1\n2\n", "1\n23"], tokenizer.eos_token_id
+    rows = [tokenizer.encode(t, add_special_tokens=False) + [eos] for t in texts[:2]]
+    rows.append(tokenizer.encode(texts[2], add_special_tokens=False))  # cut by max_new_tokens: no EOS
+    assert [len(r) for r in rows] == [5, 5, 4]  # one token per character
+    response_ids = torch.tensor([r + [eos] * (5 - len(r)) for r in rows])
+    response_mask = torch.tensor([[1] * len(r) + [0] * (5 - len(r)) for r in rows])
+    ones = torch.ones(3, 1, dtype=torch.long)
+    rollout = Rollout(
+        ones, ones, response_ids, response_mask, None, torch.tensor([False, False, True]), torch.arange(3),
+        [""] * 3, [""] * 3,
+    )  # fmt: skip
+    ends = ProcessReward(ProcessRewardConfig(path=trained_prm["path"]), tokenizer, "cpu").step_ends(rollout)
+    # "1\n\n2<eos>": the blank line ends nothing, the EOS the last step; "1\n2\n<eos>": two steps, none at the
+    # EOS; "1\n23" cut: its unfinished last step has no end
+    assert [row.nonzero().flatten().tolist() for row in ends] == [[1, 4], [1, 3], [1]]

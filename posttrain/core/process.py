@@ -35,18 +35,21 @@ def prm_loss(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tenso
     return torch.where(label_mask, F.binary_cross_entropy_with_logits(z, y, reduction="none"), 0.0)
 
 
-def step_end_mask(separator_ends: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def step_end_mask(separator_ends: torch.Tensor, mask: torch.Tensor, closed: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens that end a step of each response, [B, T] bool: every response token in which a step
     separator ends (``separator_ends``), and the last response token, which ends the last step (it is
-    the token at which the outcome reward is read too).
+    the token at which the outcome reward is read too) where the row is ``closed``.
 
     separator_ends: [B, T] bool, 1 = the step separator's last character is in this token; mask: [B, T],
-    1 = a response token. A row without response tokens has no step end.
+    1 = a response token; closed: [B] bool or None (all True), False = the last token ends no step: a
+    response cut by max_new_tokens (its last step unfinished; training rows keep whole steps only) or one
+    with nothing but whitespace after its last separator. A row without response tokens has no step end.
     """
     mask = mask.bool()
     ends = separator_ends.bool() & mask
     last = last_valid_index(mask)
-    at_last = torch.zeros_like(ends).scatter(1, last.clamp(min=0).unsqueeze(1), (last >= 0).unsqueeze(1))
+    has_last = last >= 0 if closed is None else (last >= 0) & closed.bool()
+    at_last = torch.zeros_like(ends).scatter(1, last.clamp(min=0).unsqueeze(1), has_last.unsqueeze(1))
     return ends | at_last
 
 

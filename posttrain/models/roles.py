@@ -27,6 +27,7 @@ from posttrain.core.packing import (
     shared_prefix_attention_mask,
     shared_prefix_token_logprobs,
 )
+from posttrain.errors import UserError
 from posttrain.models.loading import (
     ModelConfig,
     cache_keyword,
@@ -580,13 +581,16 @@ def load_reward_model(config: ModelConfig) -> nn.Module:
 PROCESS_REWARD_KEY = "process_reward"  # a PRM's config.json entry: {"step_separator": ...}, written by posttrain prm
 
 
-def load_process_reward_model(path: str, device: str) -> nn.Module:
+def load_process_reward_model(path: str, device: str, dtype: str = "auto") -> nn.Module:
     """A frozen process reward model as ``posttrain prm`` writes it: a *ForTokenClassification (num_labels=1,
     dropout off) whose config.json names its step separator (``process_reward``); score with ``token_scores``."""
     what = "process_reward_model.path"
-    model = load_scalar_model(ModelConfig(path=path, device=device), "value", new_head=False, what=what)
+    try:
+        model = load_scalar_model(ModelConfig(path, device=device, dtype=dtype), "value", new_head=False, what=what)
+    except ValueError as err:  # a checkpoint of another kind (a reward model, a policy): the user's to fix
+        raise UserError(str(err)) from err
     if not isinstance(getattr(model.config, PROCESS_REWARD_KEY, None), dict):
-        raise ValueError(
+        raise UserError(
             f"{what}={path}: not a process reward model (its config.json has no {PROCESS_REWARD_KEY!r} entry); "
             "posttrain prm writes one, to RUN/final/process_reward"
         )

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.core import STEP_AGGREGATIONS, aggregate_step_scores, process_token_rewards, step_end_mask
-from posttrain.data.steps import TokenText, separator_ends
+from posttrain.data.steps import TokenText, last_step_open, separator_ends
 from posttrain.errors import UserError
 from posttrain.models import PROCESS_REWARD_KEY, load_process_reward_model, load_tokenizer, token_scores
+from posttrain.models.loading import DTYPES
 
 if TYPE_CHECKING:
     from posttrain.rollout import Rollout
@@ -43,6 +44,9 @@ class ProcessRewardConfig:
     its own token and takes only the default."""
     weight: float = 1.0
     """Scale of the process reward added to the outcome reward (> 0)."""
+    dtype: str = "auto"
+    """The process reward model's weights in memory: auto (as its checkpoint stores them), float32, bfloat16 or
+    float16."""
 
     def validate(self, name: str = "process_reward_model") -> None:
         if not self.path:
@@ -51,6 +55,8 @@ class ProcessRewardConfig:
             raise ValueError(f"{name}.aggregation must be one of {STEP_AGGREGATIONS}, got {self.aggregation!r}")
         if not (math.isfinite(self.weight) and self.weight > 0):
             raise ValueError(f"{name}.weight must be > 0, got {self.weight}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"{name}.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 
 
 class ProcessReward:
@@ -58,7 +64,7 @@ class ProcessReward:
 
     def __init__(self, config: ProcessRewardConfig, tokenizer, device: str):
         self.config = config
-        self.model = load_process_reward_model(config.path, device)
+        self.model = load_process_reward_model(config.path, device, config.dtype)
         self.separator = getattr(self.model.config, PROCESS_REWARD_KEY)["step_separator"]
         if load_tokenizer(config.path).get_vocab() != tokenizer.get_vocab():
             raise UserError(
@@ -66,14 +72,19 @@ class ProcessReward:
                 "model reads the policy's token ids as they are, so train it from a model with the policy's tokenizer"
             )
         self.text = TokenText(tokenizer)
+        self.special = set(tokenizer.all_special_tokens)  # the EOS after a last separator starts no step
 
     def step_ends(self, rollout: Rollout) -> torch.Tensor:
         """[B, T] bool: the response tokens that end a step (``core.step_end_mask``)."""
         separators = torch.zeros(rollout.response_ids.shape, dtype=torch.bool)
+        closed = ~rollout.truncated.cpu().bool()  # cut by max_new_tokens: its last step is unfinished
         lengths = rollout.response_mask.sum(1).tolist()  # 1s up to the response's end, then 0s
         for row, (ids, n) in enumerate(zip(rollout.response_ids.cpu(), lengths, strict=True)):
-            separators[row, separator_ends(self.text(ids[: int(n)]), self.separator)] = True
-        return step_end_mask(separators.to(rollout.action_mask.device), rollout.action_mask)
+            pieces = self.text(ids[: int(n)])
+            separators[row, separator_ends(pieces, self.separator)] = True
+            closed[row] &= last_step_open(pieces, self.separator, self.special)
+        device = rollout.action_mask.device
+        return step_end_mask(separators.to(device), rollout.action_mask, closed.to(device))
 
     def step_logits(self, rollout: Rollout, micro: int) -> torch.Tensor:
         """[B, T] the PRM's logit at each response token (read at the token itself), ``micro`` rows a forward."""

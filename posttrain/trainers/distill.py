@@ -435,12 +435,15 @@ class DistillTrainer(OnlineTrainer):
         self.completions = prompt_completions(self.prompts, config.data, self.tokenizer) if config.lmbda < 1 else None
         if config.teachers:  # every training row names a known teacher, before any model loads
             column, prompts = config.teacher_column, self.prompts
-            where = f"data.path={config.data.path}: the row whose prompt is {{!r}} (teacher_column={column})"
             teacher_of_rows(
                 [p.columns.get(column) for p in prompts],
                 list(config.teachers),
                 config.default_teacher,
-                lambda i: where.format(_shown(prompts[i])),
+                # built in one f-string: a data path or prompt holding "{" must not be formatted a second time
+                lambda i: (
+                    f"data.path={config.data.path}: the row whose prompt is {_shown(prompts[i])!r} "
+                    f"(teacher_column={column})"
+                ),
             )
         for key, section in config.teacher_sections.items():
             check_same_vocabulary(
@@ -726,7 +729,7 @@ def teacher_metrics(step: StepMetrics, logprobs, teacher_logprobs, mask, rows_of
 def _shown(prompt) -> str:
     """A prompt row's text as an error names it: the prompt, or a conversation's last message, cut at 60."""
     text = prompt.prompt if isinstance(prompt.prompt, str) else prompt.prompt[-1]["content"]
-    return text[:60]
+    return str(text)[:60]  # a multimodal message's content is a list of parts
 
 
 @holds_run_dir  # the run folder stays locked until the run ends (runlock)
