@@ -20,14 +20,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-PPO_SETTINGS = [  # posttrain.demo._ppo_stage's
-    "run.batch_size=32",
-    "run.micro_batch_size=16",
-    "optim.lr=1e-3",
-    "sampling.max_new_tokens=8",
-    "sampling.min_new_tokens=8",
-    "kl_coef=0.05",
-]
+from posttrain.demo import PPO_SETTINGS
+
 SETTINGS = {
     "plain": [],
     "vc-ppo": ["value_pretrain_steps=5", "critic_lam=1.0"],

@@ -62,6 +62,15 @@ PROGRESS_KEYS = {
     "ppo": ("score/mean", "kl/per_sequence", "value_loss"),
 }
 
+PPO_SETTINGS = [  # the PPO stage's batch, learning rate, lengths and KL (bench/critic_curves.py runs it again)
+    "run.batch_size=32",
+    "run.micro_batch_size=16",
+    "optim.lr=1e-3",
+    "sampling.max_new_tokens=8",
+    "sampling.min_new_tokens=8",
+    "kl_coef=0.05",
+]
+
 
 def _progress(stage: str, total: int):
     """A trainer callback printing one line every tenth of the stage's steps (and at its last), with the
@@ -320,12 +329,7 @@ def _ppo_stage(ctx: dict) -> None:
                 f"data.path={ppo_prompts}",
                 f"run.output_dir={out_path / 'ppo'}",
                 f"run.max_steps={steps['ppo']}",
-                "run.batch_size=32",
-                "run.micro_batch_size=16",
-                "optim.lr=1e-3",
-                "sampling.max_new_tokens=8",
-                "sampling.min_new_tokens=8",
-                "kl_coef=0.05",
+                *PPO_SETTINGS,
             ],
         ),
         callbacks=(_progress("ppo", steps["ppo"]),),

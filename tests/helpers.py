@@ -173,6 +173,24 @@ def sft_args(tiny_dir, tmp_path, *overrides, rows=32) -> list[str]:
     ]
 
 
+def distill_args(student, prompts, out) -> list[str]:
+    """The overrides of the short on-policy distillation runs (tiny student, 2 samples of 4 tokens per prompt,
+    one micro-batch of 16); the caller names the teacher(s)."""
+    return [
+        f"model.path={student}",
+        f"data.path={prompts}",
+        "data.chat_template=never",
+        f"run.output_dir={out}",
+        "run.progress=false",
+        "run.report_to=[jsonl]",
+        "sampling.max_new_tokens=4",
+        "num_generations=2",
+        "run.batch_size=16",
+        "run.micro_batch_size=16",
+        "optim.lr=1e-3",
+    ]
+
+
 def one_line(status: int, stderr: str, command: str, message: str) -> None:
     """Exit 2 and exactly one line on stderr, ``posttrain <command>: error: ...`` holding ``message``."""
     assert status == 2, stderr[-3000:]

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, crash_at
+from helpers import assert_close, crash_at, distill_args
 from safetensors.torch import load_file
 
 from posttrain.cli import main
@@ -179,20 +179,7 @@ def prompts(tmp_path):
 
 
 def _distill(student, teacher, prompts, out, *overrides) -> DistillConfig:
-    base = [
-        f"model.path={student}",
-        f"teacher.path={teacher}",
-        f"data.path={prompts}",
-        "data.chat_template=never",
-        f"run.output_dir={out}",
-        "run.progress=false",
-        "run.report_to=[jsonl]",
-        "sampling.max_new_tokens=4",
-        "num_generations=2",
-        "run.batch_size=16",
-        "run.micro_batch_size=16",
-        "optim.lr=1e-3",
-    ]
+    base = [*distill_args(student, prompts, out), f"teacher.path={teacher}"]
     return load_config(DistillConfig, None, base + list(overrides))
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import one_line
+from helpers import distill_args, one_line
 from safetensors.torch import load_file
 
 from posttrain.cli import main
@@ -53,22 +53,7 @@ def _teachers_arg(teachers: dict[str, str]) -> str:
 
 
 def _config(student, teachers, prompts, out, *overrides) -> DistillConfig:
-    base = [
-        f"model.path={student}",
-        _teachers_arg(teachers),
-        "default_teacher=other",
-        f"data.path={prompts}",
-        "data.chat_template=never",
-        f"run.output_dir={out}",
-        "run.progress=false",
-        "run.report_to=[jsonl]",
-        "sampling.max_new_tokens=4",
-        "num_generations=2",
-        "run.batch_size=16",
-        "run.micro_batch_size=16",
-        "optim.lr=1e-3",
-        "log_completions=0",
-    ]
+    base = [*distill_args(student, prompts, out), _teachers_arg(teachers), "default_teacher=other", "log_completions=0"]
     return load_config(DistillConfig, None, base + list(overrides))
 
 
